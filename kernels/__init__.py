@@ -1,0 +1,25 @@
+"""Triton kernels for the fused FP8 backward, with their launchers and pure-torch references.
+
+Installed as ``lightning_fuse.kernels``.
+"""
+
+from .activations import ACTIVATIONS, activation_derivative_reference, activation_reference
+from .dact_dbias_quantize import (
+    dact_dbias_quantize,
+    dact_dbias_quantize_current_scaling,
+    dact_dbias_quantize_reference,
+    dbias_quantize,
+)
+from .fp8 import FP8_FORMATS, quantize_reference
+
+__all__ = [
+    "ACTIVATIONS",
+    "FP8_FORMATS",
+    "activation_derivative_reference",
+    "activation_reference",
+    "dact_dbias_quantize",
+    "dact_dbias_quantize_current_scaling",
+    "dact_dbias_quantize_reference",
+    "dbias_quantize",
+    "quantize_reference",
+]

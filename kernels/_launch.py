@@ -1,0 +1,109 @@
+"""Input validation, reshaping and launch-size choices shared by the kernel launchers."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "LaunchConfig",
+    "as_rows",
+    "check_amax",
+    "check_float_tensor",
+    "check_scale",
+    "pick_config",
+    "use_triton",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors when the Triton interpreter is on."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_float_tensor(t: object, argument: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"`{argument}` must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        accepted = ", ".join(str(d) for d in FLOAT_DTYPES)
+        raise TypeError(f"`{argument}` must have dtype {accepted}; got {t.dtype}")
+    if t.dim() < 1:
+        raise ValueError(f"`{argument}` must have at least one dimension ([*, N]); got a 0-d tensor")
+    return t
+
+
+def check_scale(scale: object, device: torch.device, argument: str = "scale") -> torch.Tensor:
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(
+            f"`{argument}` must be a float32 tensor with one element when `fp8_dtype` is given; "
+            f"got {type(scale).__name__}"
+        )
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(
+            f"`{argument}` must be a float32 tensor with one element; got dtype {scale.dtype} "
+            f"with {scale.numel()} elements"
+        )
+    if scale.device != device:
+        raise ValueError(f"`{argument}` is on {scale.device} but the input is on {device}")
+    return scale
+
+
+def check_amax(amax: object, device: torch.device) -> torch.Tensor | None:
+    if amax is None:
+        return None
+    if not isinstance(amax, torch.Tensor):
+        raise TypeError(f"`amax` must be a float32 tensor with one element or None; got {type(amax).__name__}")
+    if amax.dtype != torch.float32 or amax.numel() != 1:
+        raise ValueError(
+            f"`amax` must be a float32 tensor with one element (it is max-reduced in place); "
+            f"got dtype {amax.dtype} with {amax.numel()} elements"
+        )
+    if amax.device != device:
+        raise ValueError(f"`amax` is on {amax.device} but the input is on {device}")
+    return amax
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``(M, N)`` over its last dimension: a view where the strides allow one, else a copy."""
+    return t.reshape(-1, t.shape[-1])
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    groups: int  # programs along M; each walks ceil(M / groups) rows, tile by tile
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pick_config(m: int, n: int, device: torch.device, *, block_m: int = 64, block_n: int = 128,
+                num_warps: int = 8, programs_per_sm: int = 4) -> LaunchConfig:
+    """Tiles and row groups for an ``(m, n)`` elementwise pass with a per-column reduction.
+
+    Each program walks a column strip over a group of rows so the bias-gradient partials stay in
+    registers; enough groups are made to give every multiprocessor several programs.
+    """
+    if device.type != "cuda":
+        # Interpreter: small tiles, so that tests cross tile edges and row groups.
+        block_m, block_n, num_warps = 16, 32, 1
+        sms, programs_per_sm = 2, 2
+    else:
+        sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    strips = -(-n // block_n)
+    row_tiles = max(1, -(-m // block_m))
+    groups = max(1, min(row_tiles, -(-(sms * programs_per_sm) // strips)))
+    # Even out the tiles per group so no program is left with an empty range.
+    tiles_per_group = -(-row_tiles // groups)
+    groups = -(-row_tiles // tiles_per_group)
+    return LaunchConfig(block_m, block_n, num_warps, groups)

@@ -1,0 +1,125 @@
+"""Activation functions and their derivatives: Triton device functions and float64-capable references.
+
+Names follow PyTorch: ``gelu`` (exact, erf), ``gelu_tanh`` (tanh approximation, GPT-2's
+``gelu_new``), ``relu``, ``silu``, ``quick_gelu`` (``x * sigmoid(1.702 x)``), ``squared_relu``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "ACTIVATIONS",
+    "activation_id",
+    "act_forward",
+    "act_derivative",
+    "activation_reference",
+    "activation_derivative_reference",
+]
+
+# The kernels' ACTIVATION constexpr; 0 means "no activation" (plain bias gradient / quantize).
+_IDS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4, "quick_gelu": 5, "squared_relu": 6}
+ACTIVATIONS: tuple[str, ...] = tuple(_IDS)
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def activation_id(name: object, argument: str = "activation") -> int:
+    """The kernels' id for ``name``, or a ``ValueError`` listing the accepted names."""
+    if not isinstance(name, str) or name not in _IDS:
+        raise ValueError(f"`{argument}` must be one of {', '.join(ACTIVATIONS)}; got {name!r}")
+    return _IDS[name]
+
+
+@triton.jit
+def _tanh(u):
+    # libdevice tanh does not run under the Triton interpreter; this form is exact in fp32 range.
+    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
+
+
+@triton.jit
+def act_forward(x, ACTIVATION: tl.constexpr):
+    """``act(x)`` for fp32 ``x``."""
+    if ACTIVATION == 1:
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 2:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return 0.5 * x * (1.0 + _tanh(u))
+    elif ACTIVATION == 3:
+        return tl.maximum(x, 0.0)
+    elif ACTIVATION == 4:
+        return x * tl.sigmoid(x)
+    elif ACTIVATION == 5:
+        return x * tl.sigmoid(1.702 * x)
+    elif ACTIVATION == 6:
+        r = tl.maximum(x, 0.0)
+        return r * r
+    else:
+        return x
+
+
+@triton.jit
+def act_derivative(x, ACTIVATION: tl.constexpr):
+    """``act'(x)`` for fp32 ``x``."""
+    if ACTIVATION == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        pdf = 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        return cdf + x * pdf
+    elif ACTIVATION == 2:
+        x2 = x * x
+        t = _tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x2))
+        du = 0.7978845608028654 * (1.0 + 0.134145 * x2)
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+    elif ACTIVATION == 3:
+        return tl.where(x > 0.0, 1.0, 0.0)
+    elif ACTIVATION == 4:
+        s = tl.sigmoid(x)
+        return s * (1.0 + x * (1.0 - s))
+    elif ACTIVATION == 5:
+        s = tl.sigmoid(1.702 * x)
+        return s + 1.702 * x * s * (1.0 - s)
+    elif ACTIVATION == 6:
+        return 2.0 * tl.maximum(x, 0.0)
+    else:
+        return x * 0.0 + 1.0
+
+
+def activation_reference(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``act(x)`` in ``x``'s dtype, written out from the formulas (float64 gives the reference)."""
+    activation_id(name)
+    if name == "gelu":
+        return 0.5 * x * (1.0 + torch.erf(x * _INV_SQRT_2))
+    if name == "gelu_tanh":
+        return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
+    if name == "relu":
+        return torch.clamp_min(x, 0.0)
+    if name == "silu":
+        return x * torch.sigmoid(x)
+    if name == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    return torch.clamp_min(x, 0.0) ** 2
+
+
+def activation_derivative_reference(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``act'(x)`` in ``x``'s dtype (ReLU's derivative at 0 is 0, as in PyTorch)."""
+    activation_id(name)
+    if name == "gelu":
+        return 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2)) + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
+    if name == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
+    if name == "relu":
+        return (x > 0).to(x.dtype)
+    if name == "silu":
+        s = torch.sigmoid(x)
+        return s * (1.0 + x * (1.0 - s))
+    if name == "quick_gelu":
+        s = torch.sigmoid(1.702 * x)
+        return s + 1.702 * x * s * (1.0 - s)
+    return 2.0 * torch.clamp_min(x, 0.0)

@@ -1,0 +1,305 @@
+"""The fused backward of ``Linear -> bias -> activation``: one pass computing the activation
+gradient, the bias gradient and the FP8 quantization of the result, row-wise and transposed.
+
+Bytes per element of ``[M, N]`` (bf16/fp16 inputs, FP8 outputs): read ``grad`` and ``pre_act``
+(2 + 2), write ``dx`` (1) and ``dx_t`` (1): 6 bytes, against 4 + 2 + 2 + 2 + ... for the PyTorch
+sequence ``gelu_backward -> sum -> amax -> scale/cast -> transpose``. The bias gradient adds
+``groups x N`` fp32 partials, a fraction of a percent at training sizes.
+
+Also here: ``dbias_quantize`` (no activation term: the backward of a plain FP8 linear with bias),
+and the current-scaling variant, which takes two passes because the scale depends on this
+tensor's own amax: pass 1 reads ``grad`` and ``pre_act`` for the amax and the bias gradient,
+pass 2 reads them again and writes the FP8 copies. That is 4 + 4 + 2 = 10 bytes per element with
+the transposed copy; ``dx`` never exists in high precision.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ._launch import LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_triton
+from .activations import act_derivative, activation_derivative_reference, activation_id
+from .fp8 import FP8_FORMATS, fp8_encode, fp8_format
+
+__all__ = [
+    "dact_dbias_quantize",
+    "dact_dbias_quantize_current_scaling",
+    "dact_dbias_quantize_reference",
+    "dbias_quantize",
+]
+
+_FORMAT_DTYPES = {fmt.code: fmt.dtype for fmt in FP8_FORMATS.values()}
+
+
+@triton.jit
+def _dact_dbias_quantize_kernel(
+    grad_ptr, pre_act_ptr, out_ptr, out_t_ptr, partial_ptr, scale_ptr, amax_ptr,
+    stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n, stride_out_m, stride_out_t_n,
+    M, N, rows_per_group,
+    ACTIVATION: tl.constexpr,  # 0: none (plain bias gradient / quantize), else activations.py's ids
+    FP8_FORMAT: tl.constexpr,  # 0: write dx in out's dtype; 1: e4m3fn codes; 2: e5m2 codes
+    STORE_OUT: tl.constexpr,  # False for the amax-only first pass of current scaling
+    TRANSPOSE: tl.constexpr,
+    COMPUTE_DBIAS: tl.constexpr,
+    COMPUTE_AMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    row_start = pid_m * rows_per_group
+    # 2-D accumulators: one reduction at the end instead of a cross-warp reduction per tile.
+    dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    amax_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8_FORMAT != 0:
+        scale = tl.load(scale_ptr)
+    for m0 in range(row_start, row_start + rows_per_group, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask = (offs_m < M)[:, None] & mask_n[None, :]
+        grad = tl.load(grad_ptr + offs_m[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
+                       mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION != 0:
+            pre_act = tl.load(pre_act_ptr + offs_m[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
+                              mask=mask, other=0.0).to(tl.float32)
+            dx = grad * act_derivative(pre_act, ACTIVATION)
+        else:
+            dx = grad
+        if COMPUTE_DBIAS:
+            dbias_acc += dx
+        if COMPUTE_AMAX:
+            # NaN compares false everywhere, so it is mapped to +inf to survive the max.
+            amax_acc = tl.maximum(amax_acc, tl.where(dx == dx, tl.abs(dx), float("inf")))
+        if STORE_OUT:
+            out_ptrs = out_ptr + offs_m[:, None] * stride_out_m + offs_n[None, :]
+            if FP8_FORMAT != 0:
+                # Integer codes, not fp8 values: see fp8.py for why the transposed copy needs it.
+                codes = fp8_encode(dx * scale, FP8_FORMAT)
+                tl.store(out_ptrs, codes.to(tl.uint8), mask=mask)
+                if TRANSPOSE:
+                    out_t_ptrs = out_t_ptr + offs_n[:, None] * stride_out_t_n + offs_m[None, :]
+                    tl.store(out_t_ptrs, tl.trans(codes).to(tl.uint8), mask=tl.trans(mask))
+            else:
+                tl.store(out_ptrs, dx.to(out_ptr.dtype.element_ty), mask=mask)
+    if COMPUTE_DBIAS:
+        tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
+    if COMPUTE_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(amax_acc))
+
+
+@triton.jit
+def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, BLOCK_N: tl.constexpr):
+    # Fixed summation order over the row groups: the same bits on every run.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g in range(0, groups):
+        acc += tl.load(partial_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+    tl.store(out_ptr + offs_n, acc, mask=mask_n)
+
+
+def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
+            compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias) -> None:
+    """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs."""
+    m, n = grad.shape
+    rows_per_group = -(-m // config.groups)
+    rows_per_group = -(-rows_per_group // config.block_m) * config.block_m
+    groups = -(-m // rows_per_group)
+    partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else dbias
+    dummy = grad
+    wrap_triton(_dact_dbias_quantize_kernel)[(triton.cdiv(n, config.block_n), groups)](
+        grad, pre_act if pre_act is not None else dummy, out, out_t if transpose else out, partials,
+        scale if scale is not None else dummy, amax if amax is not None else dummy,
+        grad.stride(0), grad.stride(1),
+        pre_act.stride(0) if pre_act is not None else 0, pre_act.stride(1) if pre_act is not None else 0,
+        out.stride(0), out_t.stride(0) if transpose else 0,
+        m, n, rows_per_group,
+        ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
+        COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+    )
+    if compute_dbias:
+        block = 256 if grad.is_cuda else 32
+        wrap_triton(_sum_partials_kernel)[(triton.cdiv(n, block),)](partials, dbias, groups, n, BLOCK_N=block)
+
+
+def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: str | None, *,
+                                  scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
+                                  amax: Optional[torch.Tensor] = None, transpose: bool = False,
+                                  compute_dtype: torch.dtype = torch.float32):
+    """Pure-torch ``dact_dbias_quantize`` on 2-D inputs, computed in ``compute_dtype``.
+
+    ``activation=None`` drops the activation term (``dbias_quantize``). Returns the same triple.
+    """
+    g = grad.to(compute_dtype)
+    dx = g if activation is None else g * activation_derivative_reference(pre_act.to(compute_dtype), activation)
+    dbias = dx.sum(0).to(torch.float32)
+    if amax is not None:
+        absolute = torch.where(torch.isnan(dx), torch.full_like(dx, float("inf")), dx.abs())
+        current = absolute.max() if dx.numel() else torch.zeros((), dtype=compute_dtype, device=dx.device)
+        amax.copy_(torch.maximum(amax.view(()), current.to(torch.float32)).view_as(amax))
+    if fp8_dtype is None:
+        out = dx.to(grad.dtype)
+        return out, None, dbias
+    fmt = fp8_format(fp8_dtype)
+    out = (dx * scale.to(compute_dtype)).clamp(-fmt.max, fmt.max).to(torch.float32).to(fp8_dtype)
+    return out, (out.t().contiguous() if transpose else None), dbias
+
+
+@triton_op("lightning_fuse::dact_dbias_quantize", mutates_args={"amax"})
+def _dact_dbias_quantize_op(
+    grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
+    fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
+    block_m: int, block_n: int, num_warps: int, groups: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, n = grad.shape
+    out_dtype = torch.uint8 if fp8_code else grad.dtype
+    out = torch.empty((m, n), dtype=out_dtype, device=grad.device)
+    out_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=grad.device)
+    dbias = torch.zeros((n if compute_dbias else 0,), dtype=torch.float32, device=grad.device)
+    if m > 0:
+        _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, True,
+                LaunchConfig(block_m, block_n, num_warps, groups), out, out_t, dbias)
+    return out, out_t, dbias
+
+
+def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose):
+    check_float_tensor(grad, "grad")
+    act = 0
+    if activation is not None:
+        act = activation_id(activation)
+        check_float_tensor(pre_act, "pre_act")
+        if pre_act.shape != grad.shape:
+            raise ValueError(f"`pre_act` must have the shape of `grad` {tuple(grad.shape)}; got {tuple(pre_act.shape)}")
+        if pre_act.device != grad.device:
+            raise ValueError(f"`pre_act` is on {pre_act.device} but `grad` is on {grad.device}")
+    code = 0
+    if fp8_dtype is not None:
+        code = fp8_format(fp8_dtype).code
+        check_scale(scale, grad.device)
+    elif scale is not None:
+        raise ValueError("`scale` was given without `fp8_dtype`: pass the FP8 dtype to quantize into, or drop `scale`")
+    if transpose and fp8_dtype is None:
+        raise ValueError("`transpose=True` needs `fp8_dtype`: the transposed copy is an FP8 operand")
+    check_amax(amax, grad.device)
+    return act, code
+
+
+def _run(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compute_dbias=True):
+    act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
+    leading = grad.shape[:-1]
+    g2 = as_rows(grad)
+    p2 = as_rows(pre_act) if act else None
+    if not use_triton(g2):
+        out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
+                                                          fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
+        out = out.view(*leading, g2.shape[1])
+        return out, out_t, (dbias if compute_dbias else None)
+    cfg = pick_config(g2.shape[0], g2.shape[1], g2.device)
+    out, out_t, dbias = _dact_dbias_quantize_op(
+        g2, p2, act, scale.reshape(()) if scale is not None else None, code, amax, transpose, compute_dbias,
+        cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups)
+    if code:
+        out = out.view(_FORMAT_DTYPES[code])
+        out_t = out_t.view(_FORMAT_DTYPES[code]) if transpose else None
+    else:
+        out_t = None
+    return out.view(*leading, g2.shape[1]), out_t, (dbias if compute_dbias else None)
+
+
+def dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, activation: str, *,
+                        scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
+                        amax: Optional[torch.Tensor] = None, transpose: bool = False):
+    """Activation gradient, bias gradient and FP8 quantization in one pass.
+
+    Args:
+        grad: ``[*, N]`` gradient of the activation's output (fp32, bf16 or fp16; any strides).
+        pre_act: ``[*, N]`` the activation's input (``x @ W^T + b``), same shape as ``grad``.
+        activation: one of ``gelu``, ``gelu_tanh``, ``relu``, ``silu``, ``quick_gelu``, ``squared_relu``.
+        scale: fp32 tensor with one element; required with ``fp8_dtype``.
+        fp8_dtype: ``torch.float8_e5m2`` or ``torch.float8_e4m3fn``; ``None`` returns ``dx`` in
+            ``grad``'s dtype (fused ``dact + dbias`` only).
+        amax: fp32 tensor with one element, max-reduced in place with ``max(|dx|)`` of the unscaled
+            values (``inf`` if any value is NaN or infinite).
+        transpose: also write the ``(M, N) -> (N, M)`` transposed FP8 copy (``M`` = leading elements).
+
+    Returns:
+        ``(dx, dx_t, dbias)``: ``dx`` shaped like ``grad``; ``dx_t`` of shape ``(N, M)`` or ``None``;
+        ``dbias`` fp32 ``(N,)``, summed in fp32 with a fixed order (the same bits every run).
+        With ``fp8_dtype``: ``dx = saturate(dx * scale)`` rounded to nearest-even.
+
+    Raises:
+        TypeError: a non-tensor or a non-float input.
+        ValueError: mismatched shapes or devices, an unknown activation or FP8 dtype, a missing scale.
+    """
+    if activation is None:
+        raise ValueError("`activation` must name an activation; use dbias_quantize for the plain bias gradient")
+    return _run(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
+
+
+def dbias_quantize(grad: torch.Tensor, *, scale: Optional[torch.Tensor] = None,
+                   fp8_dtype: Optional[torch.dtype] = None, amax: Optional[torch.Tensor] = None,
+                   transpose: bool = False):
+    """``dact_dbias_quantize`` without the activation term: the backward of a plain linear with bias.
+
+    Returns ``(dx, dx_t, dbias)`` where ``dx`` is ``grad`` quantized (or copied, without ``fp8_dtype``).
+    """
+    return _run(grad, None, None, scale, fp8_dtype, amax, transpose)
+
+
+def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[torch.Tensor],
+                                        activation: Optional[str], *, fp8_dtype: torch.dtype,
+                                        transpose: bool = False, margin: int = 0):
+    """Current scaling: the scale comes from this tensor's own amax, so two passes (module docstring).
+
+    ``activation=None`` gives the current-scaling ``dbias_quantize``.
+
+    Returns:
+        ``(dx, dx_t, dbias, amax, scale)`` with ``scale = fp8_max / amax / 2**margin`` (1 where the
+        amax is zero or non-finite), ``amax`` and ``scale`` fp32 tensors of one element.
+    """
+    act, code = _validate(grad, pre_act, activation, torch.ones((), device=grad.device), fp8_dtype, None, transpose)
+    fmt = fp8_format(fp8_dtype)
+    amax = torch.zeros(1, dtype=torch.float32, device=grad.device)
+    leading = grad.shape[:-1]
+    g2 = as_rows(grad)
+    p2 = as_rows(pre_act) if act else None
+    n = g2.shape[1]
+    if not use_triton(g2):
+        _, _, dbias = dact_dbias_quantize_reference(g2, p2, activation, amax=amax)
+        scale = _scale_from_amax(amax, fmt.max, margin)
+        out, out_t, _ = dact_dbias_quantize_reference(g2, p2, activation, scale=scale, fp8_dtype=fp8_dtype,
+                                                      transpose=transpose)
+        return out.view(*leading, n), out_t, dbias, amax, scale
+    out, out_t, dbias = _current_scaling_op(g2, p2, act, code, amax, transpose, fmt.max, margin)
+    scale = _scale_from_amax(amax, fmt.max, margin)
+    return (out.view(fp8_dtype).view(*leading, n), out_t.view(fp8_dtype) if transpose else None, dbias, amax, scale)
+
+
+def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    usable = torch.isfinite(amax) & (amax > 0)
+    return torch.where(usable, fp8_max / amax / (2.0 ** margin), torch.ones_like(amax)).reshape(())
+
+
+@triton_op("lightning_fuse::dact_dbias_quantize_current_scaling", mutates_args={"amax"})
+def _current_scaling_op(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, fp8_code: int,
+                        amax: torch.Tensor, transpose: bool, fp8_max: float, margin: int,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, n = grad.shape
+    cfg = pick_config(m, n, grad.device)
+    out = torch.empty((m, n), dtype=torch.uint8, device=grad.device)
+    out_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=grad.device)
+    dbias = torch.zeros((n,), dtype=torch.float32, device=grad.device)
+    if m > 0:
+        # Pass 1: amax and bias gradient; nothing written per element.
+        _launch(grad, pre_act, activation, None, 0, amax, False, True, False, cfg, out, out_t, dbias)
+        scale = _scale_from_amax(amax, fp8_max, margin)
+        # Pass 2: the FP8 copies with the scale pass 1 produced.
+        _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, cfg, out, out_t, dbias)
+    return out, out_t, dbias

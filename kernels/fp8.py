@@ -1,0 +1,88 @@
+"""FP8 formats, the in-kernel FP8 encoder, and the pure-torch quantization reference.
+
+The kernels never use Triton's fp32 -> fp8 conversion. They round to the FP8 grid with integer
+arithmetic and store the byte codes as uint8, which the launchers view as the FP8 dtype:
+
+- it is exact round-to-nearest-even with saturation on every backend, the Triton interpreter
+  included (the interpreter's own fp8 cast rounds some ties up and carries into the exponent);
+- a kernel that stores both a row-wise and a transposed copy of converted fp8 values has been
+  seen to write foreign bytes into the transposed copy on Hopper with the ptxas Triton 3.6
+  bundles, while 8-bit integer stores through the same layout conversion are clean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["FP8Format", "FP8_FORMATS", "fp8_format", "fp8_encode", "quantize_reference"]
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    dtype: torch.dtype
+    code: int  # the kernels' FP8_FORMAT constexpr: 1 = e4m3fn, 2 = e5m2 (0 means "no FP8")
+    max: float  # largest finite value; saturation clamps here
+    mantissa_bits: int
+    exponent_bias: int
+
+
+FP8_FORMATS: dict[torch.dtype, FP8Format] = {
+    torch.float8_e4m3fn: FP8Format(torch.float8_e4m3fn, 1, 448.0, 3, 7),
+    torch.float8_e5m2: FP8Format(torch.float8_e5m2, 2, 57344.0, 2, 15),
+}
+
+
+def fp8_format(fp8_dtype: object, argument: str = "fp8_dtype") -> FP8Format:
+    """The format of ``fp8_dtype``, or a ``ValueError`` naming what is accepted."""
+    fmt = FP8_FORMATS.get(fp8_dtype)  # type: ignore[arg-type]
+    if fmt is None:
+        accepted = ", ".join(str(d) for d in FP8_FORMATS)
+        raise ValueError(f"`{argument}` must be one of {accepted} (or None); got {fp8_dtype!r}")
+    return fmt
+
+
+@triton.jit
+def fp8_encode(x, FP8_FORMAT: tl.constexpr):
+    """Byte codes (int32 in 0..255) of fp32 ``x`` in e4m3fn (1) or e5m2 (2): nearest-even, saturating.
+
+    NaN maps to 0x7F/0xFF (NaN in both formats); +-inf and anything past the finite max saturate.
+    """
+    if FP8_FORMAT == 1:
+        MANTISSA: tl.constexpr = 3
+        MIN_NORMAL_EXP: tl.constexpr = 121  # fp32 biased exponent of 2**-6, e4m3's smallest normal
+        MAX_BITS: tl.constexpr = 0x43E00000  # 448.0
+    else:
+        MANTISSA: tl.constexpr = 2
+        MIN_NORMAL_EXP: tl.constexpr = 113  # 2**-14
+        MAX_BITS: tl.constexpr = 0x47600000  # 57344.0
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    is_nan = magnitude > 0x7F800000
+    magnitude = tl.minimum(magnitude, MAX_BITS)
+    exponent = magnitude >> 23
+    subnormal = exponent < MIN_NORMAL_EXP
+    # Normals keep their own bits (exponent and mantissa shift together, a rounding carry bumps
+    # the exponent); subnormals shift the 24-bit significand so one unit is the format's
+    # smallest subnormal. 31 is enough to flush anything that small to zero.
+    shift = tl.where(subnormal, tl.minimum(MIN_NORMAL_EXP - exponent + (23 - MANTISSA), 31), 23 - MANTISSA)
+    source = tl.where(subnormal, (magnitude & 0x7FFFFF) | 0x800000, magnitude)
+    kept = source >> shift
+    below = source >> (shift - 1)
+    round_bit = below & 1
+    sticky = (source - (below << (shift - 1))) != 0
+    rounded = kept + (round_bit & (sticky.to(tl.int32) | (kept & 1)))
+    code = tl.where(subnormal, rounded, rounded - ((MIN_NORMAL_EXP - 1) << MANTISSA))
+    code = tl.where(is_nan, 0x7F, code)
+    return code | sign
+
+
+def quantize_reference(x: torch.Tensor, scale: torch.Tensor | float, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` in ``fp8_dtype``, rounded to nearest-even (torch's own cast)."""
+    fmt = fp8_format(fp8_dtype)
+    scaled = x.to(torch.float32) * (scale.to(torch.float32) if isinstance(scale, torch.Tensor) else scale)
+    return scaled.clamp(-fmt.max, fmt.max).to(fp8_dtype)

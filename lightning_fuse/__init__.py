@@ -1,0 +1,1 @@
+"""lightning-fuse: FP8 Linear -> bias -> activation chains with a one-kernel fused backward."""

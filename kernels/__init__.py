@@ -3,6 +3,7 @@
 Installed as ``lightning_fuse.kernels``.
 """
 
+from .bias_act import bias_act, bias_act_reference
 from .activations import ACTIVATIONS, activation_derivative_reference, activation_reference
 from .dact_dbias_quantize import (
     dact_dbias_quantize,
@@ -11,15 +12,20 @@ from .dact_dbias_quantize import (
     dbias_quantize,
 )
 from .fp8 import FP8_FORMATS, quantize_reference
+from .quantize import quantize, quantize_current_scaling
 
 __all__ = [
     "ACTIVATIONS",
     "FP8_FORMATS",
     "activation_derivative_reference",
     "activation_reference",
+    "bias_act",
+    "bias_act_reference",
     "dact_dbias_quantize",
     "dact_dbias_quantize_current_scaling",
     "dact_dbias_quantize_reference",
     "dbias_quantize",
+    "quantize",
+    "quantize_current_scaling",
     "quantize_reference",
 ]

@@ -191,7 +191,8 @@ def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose):
     return act, code
 
 
-def _run(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compute_dbias=True):
+def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compute_dbias=True):
+    """Validates, flattens to rows, and runs the kernel (or the reference where Triton does not run)."""
     act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
     leading = grad.shape[:-1]
     g2 = as_rows(grad)
@@ -240,7 +241,7 @@ def dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, activation: s
     """
     if activation is None:
         raise ValueError("`activation` must name an activation; use dbias_quantize for the plain bias gradient")
-    return _run(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
+    return run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
 
 
 def dbias_quantize(grad: torch.Tensor, *, scale: Optional[torch.Tensor] = None,
@@ -250,12 +251,12 @@ def dbias_quantize(grad: torch.Tensor, *, scale: Optional[torch.Tensor] = None,
 
     Returns ``(dx, dx_t, dbias)`` where ``dx`` is ``grad`` quantized (or copied, without ``fp8_dtype``).
     """
-    return _run(grad, None, None, scale, fp8_dtype, amax, transpose)
+    return run_pass(grad, None, None, scale, fp8_dtype, amax, transpose)
 
 
 def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[torch.Tensor],
                                         activation: Optional[str], *, fp8_dtype: torch.dtype,
-                                        transpose: bool = False, margin: int = 0):
+                                        transpose: bool = False, margin: int = 0, compute_dbias: bool = True):
     """Current scaling: the scale comes from this tensor's own amax, so two passes (module docstring).
 
     ``activation=None`` gives the current-scaling ``dbias_quantize``.
@@ -272,14 +273,15 @@ def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[to
     p2 = as_rows(pre_act) if act else None
     n = g2.shape[1]
     if not use_triton(g2):
-        _, _, dbias = dact_dbias_quantize_reference(g2, p2, activation, amax=amax)
+        _, _, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, amax=amax)
         scale = _scale_from_amax(amax, fmt.max, margin)
-        out, out_t, _ = dact_dbias_quantize_reference(g2, p2, activation, scale=scale, fp8_dtype=fp8_dtype,
-                                                      transpose=transpose)
-        return out.view(*leading, n), out_t, dbias, amax, scale
-    out, out_t, dbias = _current_scaling_op(g2, p2, act, code, amax, transpose, fmt.max, margin)
+        out, out_t, _ = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
+                                                      fp8_dtype=fp8_dtype, transpose=transpose)
+        return out.view(*leading, n), out_t, (dbias if compute_dbias else None), amax, scale
+    out, out_t, dbias = _current_scaling_op(g2, p2, act, code, amax, transpose, fmt.max, margin, compute_dbias)
     scale = _scale_from_amax(amax, fmt.max, margin)
-    return (out.view(fp8_dtype).view(*leading, n), out_t.view(fp8_dtype) if transpose else None, dbias, amax, scale)
+    return (out.view(fp8_dtype).view(*leading, n), out_t.view(fp8_dtype) if transpose else None,
+            (dbias if compute_dbias else None), amax, scale)
 
 
 def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
@@ -287,18 +289,18 @@ def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.T
     return torch.where(usable, fp8_max / amax / (2.0 ** margin), torch.ones_like(amax)).reshape(())
 
 
-@triton_op("lightning_fuse::dact_dbias_quantize_current_scaling", mutates_args={"amax"})
+@triton_op("lightning_fuse::quantize_current_scaling", mutates_args={"amax"})
 def _current_scaling_op(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, fp8_code: int,
-                        amax: torch.Tensor, transpose: bool, fp8_max: float, margin: int,
+                        amax: torch.Tensor, transpose: bool, fp8_max: float, margin: int, compute_dbias: bool,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = grad.shape
     cfg = pick_config(m, n, grad.device)
     out = torch.empty((m, n), dtype=torch.uint8, device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=grad.device)
-    dbias = torch.zeros((n,), dtype=torch.float32, device=grad.device)
+    dbias = torch.zeros((n if compute_dbias else 0,), dtype=torch.float32, device=grad.device)
     if m > 0:
-        # Pass 1: amax and bias gradient; nothing written per element.
-        _launch(grad, pre_act, activation, None, 0, amax, False, True, False, cfg, out, out_t, dbias)
+        # Pass 1: amax (and bias gradient); nothing written per element.
+        _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, cfg, out, out_t, dbias)
         scale = _scale_from_amax(amax, fp8_max, margin)
         # Pass 2: the FP8 copies with the scale pass 1 produced.
         _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, cfg, out, out_t, dbias)

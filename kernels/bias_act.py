@@ -1,0 +1,160 @@
+"""Forward activation with an optional bias add, optionally writing the FP8 copies of the output
+(row-wise and transposed, with its amax) that the next FP8 linear consumes, in the same pass.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ._launch import as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_triton
+from .activations import act_forward, activation_id, activation_reference
+from .fp8 import FP8_FORMATS, fp8_encode, fp8_format
+
+__all__ = ["bias_act", "bias_act_reference"]
+
+_FORMAT_DTYPES = {fmt.code: fmt.dtype for fmt in FP8_FORMATS.values()}
+
+
+@triton.jit
+def _bias_act_kernel(
+    h_ptr, bias_ptr, y_ptr, q_ptr, q_t_ptr, scale_ptr, amax_ptr,
+    stride_h_m, stride_h_n, stride_y_m, stride_q_m, stride_q_t_n,
+    M, N, rows_per_group,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_Y: tl.constexpr,
+    FP8_FORMAT: tl.constexpr,  # 0: no FP8 copy
+    TRANSPOSE: tl.constexpr,
+    COMPUTE_AMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    row_start = pid_m * rows_per_group
+    amax_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if FP8_FORMAT != 0:
+        scale = tl.load(scale_ptr)
+    for m0 in range(row_start, row_start + rows_per_group, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask = (offs_m < M)[:, None] & mask_n[None, :]
+        h = tl.load(h_ptr + offs_m[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
+                    mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            h += bias[None, :]
+        y = act_forward(h, ACTIVATION)
+        if STORE_Y:
+            # Rounded to the output dtype first, so the FP8 copy quantizes exactly what is returned.
+            y = y.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + offs_m[:, None] * stride_y_m + offs_n[None, :], y, mask=mask)
+            y = y.to(tl.float32)
+        if COMPUTE_AMAX:
+            amax_acc = tl.maximum(amax_acc, tl.where(y == y, tl.abs(y), float("inf")))
+        if FP8_FORMAT != 0:
+            codes = fp8_encode(y * scale, FP8_FORMAT)
+            tl.store(q_ptr + offs_m[:, None] * stride_q_m + offs_n[None, :], codes.to(tl.uint8), mask=mask)
+            if TRANSPOSE:
+                tl.store(q_t_ptr + offs_n[:, None] * stride_q_t_n + offs_m[None, :], tl.trans(codes).to(tl.uint8),
+                         mask=tl.trans(mask))
+    if COMPUTE_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(amax_acc))
+
+
+@triton_op("lightning_fuse::bias_act", mutates_args={"amax"})
+def _bias_act_op(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, out_dtype: torch.dtype,
+                 store_y: bool, scale: Optional[torch.Tensor], fp8_code: int, amax: Optional[torch.Tensor],
+                 transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, n = h.shape
+    dev = h.device
+    y = torch.empty((m, n) if store_y else (0, 0), dtype=out_dtype, device=dev)
+    q = torch.empty((m, n) if fp8_code else (0, 0), dtype=torch.uint8, device=dev)
+    q_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=dev)
+    if m > 0:
+        cfg = pick_config(m, n, dev)
+        rows_per_group = -(-(-(-m // cfg.groups)) // cfg.block_m) * cfg.block_m
+        groups = -(-m // rows_per_group)
+        wrap_triton(_bias_act_kernel)[(triton.cdiv(n, cfg.block_n), groups)](
+            h, bias if bias is not None else h, y, q, q_t, scale if scale is not None else h,
+            amax if amax is not None else h,
+            h.stride(0), h.stride(1), y.stride(0) if store_y else 0, q.stride(0) if fp8_code else 0,
+            q_t.stride(0) if transpose else 0,
+            m, n, rows_per_group,
+            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_Y=store_y, FP8_FORMAT=fp8_code,
+            TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )
+    return y, q, q_t
+
+
+def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str], *,
+                       scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
+                       amax: Optional[torch.Tensor] = None, transpose: bool = False,
+                       compute_dtype: torch.dtype = torch.float32):
+    """Pure-torch ``bias_act`` on 2-D ``h``; returns ``(y, y_fp8, y_fp8_t)``."""
+    x = h.to(compute_dtype)
+    if bias is not None:
+        x = x + bias.to(compute_dtype)
+    y = x if activation is None else activation_reference(x, activation)
+    y = y.to(h.dtype)
+    if amax is not None:
+        yf = y.to(torch.float32)
+        absolute = torch.where(torch.isnan(yf), torch.full_like(yf, float("inf")), yf.abs())
+        current = absolute.max() if yf.numel() else torch.zeros((), device=yf.device)
+        amax.copy_(torch.maximum(amax.view(()), current).view_as(amax))
+    if fp8_dtype is None:
+        return y, None, None
+    fmt = fp8_format(fp8_dtype)
+    q = (y.to(torch.float32) * scale.to(torch.float32)).clamp(-fmt.max, fmt.max).to(fp8_dtype)
+    return y, q, (q.t().contiguous() if transpose else None)
+
+
+def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = "gelu_tanh", *,
+             scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
+             amax: Optional[torch.Tensor] = None, transpose: bool = False):
+    """``y = act(h + bias)`` in ``h``'s dtype, plus the FP8 copy of ``y`` for the next FP8 linear.
+
+    Args:
+        h: ``[*, N]`` GEMM output (fp32, bf16, fp16).
+        bias: ``(N,)`` added in fp32 before the activation, or ``None`` where the GEMM added it.
+        activation: an activation name (see ``ACTIVATIONS``) or ``None`` for the bias add alone.
+        scale, fp8_dtype, amax, transpose: as in ``quantize``, applied to ``y``.
+
+    Returns:
+        ``(y, y_fp8, y_fp8_t)``; the FP8 entries are ``None`` without ``fp8_dtype`` / ``transpose``.
+    """
+    check_float_tensor(h, "h")
+    act = activation_id(activation) if activation is not None else 0
+    n = h.shape[-1]
+    if bias is not None:
+        check_float_tensor(bias, "bias")
+        if bias.shape != (n,):
+            raise ValueError(f"`bias` must have shape ({n},) to match `h`'s last dimension; got {tuple(bias.shape)}")
+        if bias.device != h.device:
+            raise ValueError(f"`bias` is on {bias.device} but `h` is on {h.device}")
+    code = 0
+    if fp8_dtype is not None:
+        code = fp8_format(fp8_dtype).code
+        check_scale(scale, h.device)
+    elif transpose or scale is not None:
+        raise ValueError("`scale` and `transpose` describe the FP8 copy: pass `fp8_dtype` with them")
+    check_amax(amax, h.device)
+    leading = h.shape[:-1]
+    h2 = as_rows(h)
+    if not use_triton(h2):
+        y, q, q_t = bias_act_reference(h2, bias, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
+                                       transpose=transpose)
+        return y.view(*leading, n), (q.view(*leading, n) if q is not None else None), q_t
+    y, q, q_t = _bias_act_op(h2, bias.contiguous() if bias is not None else None, act, h.dtype, True,
+                             scale.reshape(()) if scale is not None else None, code, amax, transpose)
+    fp8 = _FORMAT_DTYPES.get(code)
+    return (y.view(*leading, n), q.view(fp8).view(*leading, n) if code else None,
+            q_t.view(fp8) if transpose else None)

@@ -1,0 +1,399 @@
+"""The swapped-in modules: ``FusedLinearBiasActivation`` (a chain) and ``FP8Linear`` (other linears).
+
+Both hold the original ``Parameter`` objects, as stored (``nn.Linear``'s ``(out, in)`` weight or
+HF ``Conv1D``'s ``(in, out)``), so ``state_dict`` keys and values do not change.
+
+Paths, chosen per call:
+
+- FP8, inside an enabled ``fp8_autocast`` on a GPU with FP8 (compute capability >= 8.9), or on
+  CPU with ``emulate=True``: the input and weight are cast to e4m3 (the weight once per optimizer
+  step), the forward GEMM runs through ``torch._scaled_mm``; the backward runs the fused kernel
+  (``dact_dbias_quantize``: activation and bias gradients and the FP8 gradient, row-wise and
+  transposed, in one pass) and then the dgrad and wgrad GEMMs in FP8.
+- high precision otherwise (no recipe, CPU, a GPU without FP8, shapes ``_scaled_mm`` rejects, an
+  empty batch): PyTorch GEMMs, and a chain's backward is still the fused ``dact + dbias`` kernel.
+  Falling back where FP8 was asked for warns once, saying why.
+
+``torch._scaled_mm`` needs ``in_features`` and ``out_features`` to be multiples of 16 (every GEMM
+contracts or produces them); the token count only enters the weight-gradient GEMM as its
+contraction dimension, which is zero-padded to a multiple of 16 when it is not one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_fuse.kernels import (
+    ACTIVATIONS,
+    dact_dbias_quantize,
+    dact_dbias_quantize_current_scaling,
+    dbias_quantize,
+    quantize,
+    quantize_current_scaling,
+)
+
+from .autocast import active_context
+from .recipe import CurrentScaling, DelayedScaling, Recipe
+from .scaling import FP8ScalingState
+
+__all__ = ["FP8Linear", "FusedLinearBiasActivation", "is_linear_like", "linear_dims"]
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """``nn.Linear`` or HF's ``Conv1D`` (matched by name: transformers is not a dependency)."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and hasattr(module, "nf"))
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int, bool]:
+    """``(in_features, out_features, weight_is_in_out)`` of a linear-like module."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if is_linear_like(module):
+        return module.weight.shape[0], module.weight.shape[1], True
+    raise TypeError(f"expected nn.Linear or transformers' Conv1D; got {type(module).__name__}")
+
+
+def fp8_shape_reason(in_features: int, out_features: int) -> str:
+    """Why ``torch._scaled_mm`` cannot run these dimensions, or ``""``."""
+    bad = [f"{name}={value}" for name, value in (("in_features", in_features), ("out_features", out_features))
+           if value % 16]
+    return f"{' and '.join(bad)} not a multiple of 16, which torch._scaled_mm requires" if bad else ""
+
+
+def activation_forward(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """PyTorch's own ops for each activation name (the plain, unfused computation)."""
+    if activation == "gelu":
+        return F.gelu(h)
+    if activation == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if activation == "relu":
+        return F.relu(h)
+    if activation == "silu":
+        return F.silu(h)
+    if activation == "quick_gelu":
+        return h * torch.sigmoid(1.702 * h)
+    if activation == "squared_relu":
+        return torch.square(F.relu(h))
+    raise ValueError(f"`activation` must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _device_has_fp8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@dataclass
+class _FP8Plan:
+    """What one FP8 call needs besides its tensors (non-tensor arguments of the autograd function)."""
+
+    module: "_FP8LinearBase"
+    recipe: Recipe
+    state: Optional[FP8ScalingState]
+    update_scales: bool
+    dtype: torch.dtype
+    need_wgrad: bool  # decided outside the autograd function, where grad mode is still visible
+
+
+def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
+    """Zero-pads the last (token) dimension of an FP8 ``(rows, M)`` operand to a multiple of 16."""
+    pad = -t.shape[1] % 16
+    if not pad:
+        return t
+    return F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b) (+ bias)``: ``a`` row-major, ``b`` column-major, per-tensor scales."""
+    if bias is not None and out_dtype not in (torch.bfloat16, torch.float16):
+        out = torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()), out_dtype=out_dtype,
+                               use_fast_accum=fast_accum)
+        return out + bias.to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
+                            bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """FP8 forward and backward of ``act(x @ W^T + b)`` (``act`` may be absent)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: _FP8Plan):
+        module = plan.module
+        k, n = module.in_features, module.out_features
+        leading = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        need_wgrad = plan.need_wgrad
+        recipe = plan.recipe
+        index = module.fp8_index
+        if isinstance(recipe, DelayedScaling):
+            scale_x, scale_inv_x, amax_x = plan.state.slot("forward", 2 * index)
+            xq, xq_t = quantize(x2, scale=scale_x, fp8_dtype=recipe.forward_dtype, amax=amax_x, transpose=need_wgrad)
+        else:
+            xq, xq_t, _, scale_x = quantize_current_scaling(x2, fp8_dtype=recipe.forward_dtype,
+                                                            transpose=need_wgrad, margin=recipe.margin)
+            scale_inv_x = scale_x.reciprocal()
+        w_nk, w_kn, scale_inv_w = module._fp8_weight(plan)
+        h = _scaled_mm(xq, w_nk.t(), scale_inv_x, scale_inv_w, plan.dtype, bias=bias, fast_accum=True)
+        activation = module.activation
+        y = activation_forward(h, activation) if activation else h
+        ctx.plan = plan
+        ctx.leading = leading
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(h if activation else None, xq_t if need_wgrad else None, w_kn, scale_inv_x, scale_inv_w)
+        return y.view(*leading, n)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        h, xq_t, w_kn, scale_inv_x, scale_inv_w = ctx.saved_tensors
+        plan: _FP8Plan = ctx.plan
+        module = plan.module
+        recipe = plan.recipe
+        k, n = module.in_features, module.out_features
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_wgrad = need_wgrad and xq_t is not None
+        dy2 = dy.reshape(-1, n)
+        activation = module.activation
+        bwd_dtype = recipe.backward_dtype
+        if isinstance(recipe, DelayedScaling):
+            scale_g, scale_inv_g, amax_g = plan.state.slot("backward", module.fp8_index)
+            if activation:
+                dq, dq_t, dbias = dact_dbias_quantize(dy2, h, activation, scale=scale_g, fp8_dtype=bwd_dtype,
+                                                      amax=amax_g, transpose=need_wgrad)
+            else:
+                dq, dq_t, dbias = dbias_quantize(dy2, scale=scale_g, fp8_dtype=bwd_dtype, amax=amax_g,
+                                                 transpose=need_wgrad)
+            if plan.update_scales:
+                plan.state.queue_backward_update(recipe)
+        else:
+            dq, dq_t, dbias, _, scale_g = dact_dbias_quantize_current_scaling(
+                dy2, h, activation, fp8_dtype=bwd_dtype, transpose=need_wgrad, margin=recipe.margin)
+            scale_inv_g = scale_g.reciprocal()
+        dx = dweight = dbias_out = None
+        if need_dgrad:
+            dx = _scaled_mm(dq, w_kn.t(), scale_inv_g, scale_inv_w, plan.dtype).view(*ctx.leading, k)
+        if need_wgrad:
+            weight = module.weight
+            if module.weight_is_in_out:  # (K, N) = x^T @ dy
+                dweight = _scaled_mm(_pad_tokens(xq_t), _pad_tokens(dq_t).t(), scale_inv_x, scale_inv_g, weight.dtype)
+            else:  # (N, K) = dy^T @ x
+                dweight = _scaled_mm(_pad_tokens(dq_t), _pad_tokens(xq_t).t(), scale_inv_g, scale_inv_x, weight.dtype)
+        if need_bgrad and ctx.has_bias:
+            dbias_out = dbias.to(module.bias.dtype)
+        return dx, dweight, dbias_out, None
+
+
+class _LinearActFunction(torch.autograd.Function):
+    """High-precision ``act(x @ W^T + b)`` whose backward is the fused ``dact + dbias`` kernel."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
+                weight_is_in_out: bool, dtype: torch.dtype):
+        w = weight.to(dtype)
+        h = F.linear(x.to(dtype), w.t() if weight_is_in_out else w, bias.to(dtype) if bias is not None else None)
+        ctx.activation = activation
+        ctx.weight_is_in_out = weight_is_in_out
+        ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        ctx.save_for_backward(x.to(dtype), w, h)
+        return activation_forward(h, activation)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w, h = ctx.saved_tensors
+        n = h.shape[-1]
+        dh, _, dbias = dact_dbias_quantize(dy, h, ctx.activation)
+        dh2 = dh.reshape(-1, n)
+        dx = dweight = None
+        if ctx.needs_input_grad[0]:
+            dx = (dh2 @ (w.t() if ctx.weight_is_in_out else w)).view(*dy.shape[:-1], -1)
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            dweight = (x2.t() @ dh2 if ctx.weight_is_in_out else dh2.t() @ x2).to(ctx.param_dtypes[0])
+        dbias_out = dbias.to(ctx.param_dtypes[1]) if ctx.needs_input_grad[2] else None
+        return dx, dweight, dbias_out, None, None, None
+
+
+class _FP8LinearBase(nn.Module):
+    activation: Optional[str] = None
+
+    def __init__(self, linear: nn.Module, *, emulate: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.weight_is_in_out = linear_dims(linear)
+        self.weight = linear.weight
+        self.bias = linear.bias if isinstance(getattr(linear, "bias", None), nn.Parameter) else None
+        # Kept for unfuse_ and never registered (its parameters are ours): a tuple hides it from nn.Module.
+        self._original = (linear,)
+        self.emulate = emulate
+        self.fused = True  # False: run the original PyTorch computation (set when measured slower)
+        self.fp8_reason = fp8_shape_reason(self.in_features, self.out_features)
+        self.fp8_state: Optional[FP8ScalingState] = None
+        self.fp8_index = -1
+        self._weight_cache: Optional[tuple] = None
+        self._recompute: Optional[tuple[Recipe, bool]] = None
+
+    def bind_fp8_state(self, state: FP8ScalingState, name: str) -> None:
+        """Registers this module's three FP8 tensors in the model's ``state`` under ``name``."""
+        self.fp8_state = state
+        self.fp8_index = state.register(name)
+
+    def to_original(self) -> nn.Module:
+        """The original linear module, holding this module's current parameters."""
+        original = self._original[0]
+        original.weight = self.weight
+        if self.bias is not None:
+            original.bias = self.bias
+        return original
+
+    def extra_repr(self) -> str:
+        parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
+                 f"bias={self.bias is not None}"]
+        if self.activation:
+            parts.append(f"activation={self.activation}")
+        if self.weight_is_in_out:
+            parts.append("weight_layout=(in, out)")
+        if not self.fused:
+            parts.append("fused=False")
+        return ", ".join(parts)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _plain_forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.t() if self.weight_is_in_out else self.weight
+        h = F.linear(x, w, self.bias)
+        return activation_forward(h, self.activation) if self.activation else h
+
+    def _fp8_recipe(self, x: torch.Tensor) -> Optional[tuple[Recipe, bool]]:
+        """``(recipe, update_scales)`` when this call runs FP8, else ``None`` (warning once where FP8 was asked)."""
+        ctx = active_context()
+        if ctx is None:
+            # Activation checkpointing recomputes the forward during backward, outside the context:
+            # it must take the path the original forward took.
+            if self._recompute is not None and torch._C._current_graph_task_id() != -1:
+                return self._recompute
+            return None
+        if not ctx.enabled:
+            return None
+        name = self._fqn()
+        if self.fp8_reason:
+            _warn_once(f"shape:{name}", f"{name}: running in high precision: {self.fp8_reason}")
+            return None
+        if not (_device_has_fp8(x.device) or (self.emulate and x.device.type == "cpu")):
+            why = ("the GPU has no FP8 (compute capability 8.9 or newer needed)" if x.device.type == "cuda"
+                   else f"FP8 GEMMs need a CUDA GPU; the input is on {x.device} (emulate=True runs them on CPU)")
+            _warn_once(f"device:{x.device.type}", f"lightning_fuse: running in high precision: {why}")
+            return None
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            _warn_once(f"dtype:{x.dtype}", f"lightning_fuse: running in high precision: input dtype {x.dtype} "
+                                           "has no FP8 path (float32, bfloat16 or float16 expected)")
+            return None
+        if x.numel() == 0:
+            return None
+        if self.fp8_state is None:
+            raise RuntimeError(f"{name} has no FP8 state: create fused modules with fuse_(model), which registers "
+                               "them, or call bind_fp8_state")
+        if isinstance(ctx.recipe, DelayedScaling):
+            self.fp8_state.ensure(ctx.recipe.amax_history_len, x.device)
+            ctx.states[id(self.fp8_state)] = self.fp8_state
+        self._recompute = (ctx.recipe, ctx.update_scales)
+        return ctx.recipe, ctx.update_scales
+
+    def _fqn(self) -> str:
+        state = self.fp8_state
+        if state is not None and 0 <= self.fp8_index < len(state.names):
+            return state.names[self.fp8_index]
+        return type(self).__name__
+
+    def _fp8_weight(self, plan: _FP8Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(W (out, in), W (in, out), scale_inv)`` in e4m3, cached until the weight or its scale changes."""
+        weight = self.weight
+        recipe = plan.recipe
+        delayed = isinstance(recipe, DelayedScaling)
+        key = (weight._version, weight.data_ptr(), weight.dtype, type(recipe),
+               plan.state.generation if delayed else None)
+        compiling = torch.compiler.is_compiling()
+        if not compiling and self._weight_cache is not None and self._weight_cache[0] == key:
+            return self._weight_cache[1]
+        with torch.no_grad():
+            if delayed:
+                scale, scale_inv, amax = plan.state.slot("forward", 2 * self.fp8_index + 1)
+                q, q_t = quantize(weight, scale=scale, fp8_dtype=recipe.forward_dtype, amax=amax, transpose=True)
+            else:
+                q, q_t, _, scale = quantize_current_scaling(weight, fp8_dtype=recipe.forward_dtype, transpose=True,
+                                                            margin=recipe.margin)
+                scale_inv = scale.reciprocal()
+        value = (q_t, q, scale_inv) if self.weight_is_in_out else (q, q_t, scale_inv)
+        if not compiling:
+            self._weight_cache = (key, value)
+        return value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            raise RuntimeError(
+                f"mat1 and mat2 shapes cannot be multiplied ({rows}x{x.shape[-1]} and "
+                f"{self.in_features}x{self.out_features}): {type(self).__name__} expects inputs [*, {self.in_features}]"
+            )
+        if not self.fused:
+            return self._plain_forward(x)
+        fp8 = self._fp8_recipe(x)
+        if fp8 is not None:
+            plan = _FP8Plan(self, fp8[0], self.fp8_state, fp8[1], _compute_dtype(x),
+                            self.weight.requires_grad and torch.is_grad_enabled())
+            return _FP8LinearFunction.apply(x, self.weight, self.bias, plan)
+        if self.activation is None:
+            return self._plain_forward(x)
+        return _LinearActFunction.apply(x, self.weight, self.bias, self.activation, self.weight_is_in_out,
+                                        _compute_dtype(x))
+
+
+class FusedLinearBiasActivation(_FP8LinearBase):
+    """``act(x @ W^T + b)`` as one module: FP8 GEMMs under a recipe, one fused kernel in backward.
+
+    Args:
+        linear: the ``nn.Linear`` or HF ``Conv1D`` of the chain; its parameters are taken as they are.
+        activation: ``gelu``, ``gelu_tanh``, ``relu``, ``silu``, ``quick_gelu`` or ``squared_relu``.
+        emulate: run the FP8 path on CPU too (tests the FP8 logic; not fast).
+
+    Raises:
+        TypeError: ``linear`` is not linear-like.
+        ValueError: an unknown activation.
+    """
+
+    def __init__(self, linear: nn.Module, activation: str, *, emulate: bool = False) -> None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"`activation` must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+        super().__init__(linear, emulate=emulate)
+        self.activation = activation
+
+
+class FP8Linear(_FP8LinearBase):
+    """A linear layer (no activation) with FP8 GEMMs; its backward fuses the bias gradient with the
+    FP8 quantization of the incoming gradient (row-wise and transposed).
+
+    Args:
+        linear: an ``nn.Linear`` or HF ``Conv1D``; its parameters are taken as they are.
+        emulate: run the FP8 path on CPU too (tests the FP8 logic; not fast).
+    """

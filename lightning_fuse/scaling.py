@@ -1,0 +1,185 @@
+"""Per-model FP8 scaling state: every amax history and scale, stacked for one batched update.
+
+Each FP8 module registered here owns three tensors: its input (forward slot ``2 i``), its weight
+(forward slot ``2 i + 1``) and its output gradient (backward slot ``i``). The kernels max-reduce
+amaxes straight into row 0 of the histories; ``update`` then turns all of them into scales with a
+handful of whole-model tensor operations (and one all-reduce of the stacked amaxes under
+``torch.distributed``), never a launch per module.
+
+Semantics of an update (delayed scaling):
+
+- the newest amaxes (row 0) are max-reduced across ranks when ``recipe.reduce_amax`` is set;
+- a non-finite newest amax is counted in ``nonfinite`` and replaced by 0 in the history, and that
+  tensor keeps its previous scale; so does a tensor whose amax is 0 (it did not run, or was all
+  zeros);
+- otherwise ``scale = fp8_max / amax / 2**margin`` with ``amax`` the history's max (``"max"``) or
+  row 0 (``"most_recent"``);
+- the history rolls by one row and row 0 starts again from zero.
+
+Scales are replaced, not written in place: a backward pass still holding the scale its forward
+used sees the value it quantized with.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .recipe import DelayedScaling
+
+__all__ = ["FP8ScalingState"]
+
+_GROUPS = ("forward", "backward")
+
+
+class _Group:
+    """History, scales and non-finite counters of one kind of tensor (forward or backward)."""
+
+    def __init__(self, history_len: int, slots: int, device: torch.device) -> None:
+        self.history = torch.zeros(history_len, slots, dtype=torch.float32, device=device)
+        self.scale = torch.ones(slots, dtype=torch.float32, device=device)
+        self.scale_inv = torch.ones(slots, dtype=torch.float32, device=device)
+        self.nonfinite = torch.zeros(slots, dtype=torch.int64, device=device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"history": self.history, "scale": self.scale, "scale_inv": self.scale_inv, "nonfinite": self.nonfinite}
+
+
+class FP8ScalingState:
+    """Amax histories and scales of one model's FP8 tensors (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.groups: dict[str, _Group] = {}
+        # Bumped at every update of the forward scales: cached FP8 weights are keyed on it.
+        self.generation = 0
+        self._pending: Optional[dict[str, Any]] = None  # loaded state waiting for a device
+        self._backward_update_queued = False
+
+    # -- registration and storage -------------------------------------------------------------
+
+    def register(self, name: str) -> int:
+        """Adds a module (by its fully qualified name) and returns its index."""
+        if self.groups:
+            raise RuntimeError("modules must be registered before the first FP8 step allocates the state")
+        self.names.append(name)
+        return len(self.names) - 1
+
+    @property
+    def history_len(self) -> int:
+        return self.groups["forward"].history.shape[0] if self.groups else 0
+
+    def ensure(self, history_len: int, device: torch.device) -> None:
+        """Allocates (or moves, or resizes the history of) the state for ``device``."""
+        n = len(self.names)
+        if not self.groups:
+            self.groups = {"forward": _Group(history_len, 2 * n, device), "backward": _Group(history_len, n, device)}
+            if self._pending is not None:
+                self._apply_loaded(self._pending)
+                self._pending = None
+            return
+        fwd = self.groups["forward"]
+        if fwd.history.device != device:
+            for group in self.groups.values():
+                for key, value in group.tensors().items():
+                    setattr(group, key, value.to(device))
+        if self.history_len != history_len:
+            for group in self.groups.values():
+                old = group.history
+                new = torch.zeros(history_len, old.shape[1], dtype=old.dtype, device=old.device)
+                keep = min(history_len, old.shape[0])
+                new[:keep] = old[:keep]
+                group.history = new
+
+    def slot(self, group: str, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scale, scale_inv, amax)`` of one tensor: 0-d views and a one-element view of history row 0."""
+        g = self.groups[group]
+        return g.scale[index], g.scale_inv[index], g.history[0, index:index + 1]
+
+    # -- updates ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update(self, recipe: DelayedScaling, groups: Iterable[str] = _GROUPS) -> None:
+        """Turns the newest amaxes of ``groups`` into scales and rolls the histories (module docstring)."""
+        groups = [g for g in groups if g in self.groups]
+        if not groups:
+            return
+        if recipe.reduce_amax and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            newest = torch.cat([self.groups[g].history[0] for g in groups])
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+            for g, part in zip(groups, newest.split([self.groups[g].history.shape[1] for g in groups])):
+                self.groups[g].history[0].copy_(part)
+        for g in groups:
+            fp8_max = 448.0 if (g == "forward" or recipe.fp8_format == "e4m3") else 57344.0
+            self._update_group(self.groups[g], recipe, fp8_max)
+        if "forward" in groups:
+            self.generation += 1
+        if "backward" in groups:
+            self._backward_update_queued = False
+
+    @staticmethod
+    def _update_group(group: _Group, recipe: DelayedScaling, fp8_max: float) -> None:
+        history = group.history
+        newest = history[0]
+        finite = torch.isfinite(newest)
+        group.nonfinite += (~finite).to(torch.int64)
+        newest.masked_fill_(~finite, 0.0)
+        amax = history.amax(dim=0) if recipe.amax_compute_algo == "max" else newest
+        usable = finite & (amax > 0)
+        scale = torch.where(usable, fp8_max / amax.clamp_min(torch.finfo(torch.float32).tiny) / (2.0 ** recipe.margin),
+                            group.scale)
+        group.scale = scale
+        group.scale_inv = scale.reciprocal()
+        group.history = torch.roll(history, 1, dims=0)
+        group.history[0].zero_()
+
+    def queue_backward_update(self, recipe: DelayedScaling) -> None:
+        """Updates the backward scales once, when the running backward pass ends."""
+        if self._backward_update_queued:
+            return
+        self._backward_update_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.update(recipe, ("backward",)))
+
+    # -- health ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """``nonfinite_amax`` (events so far), ``scale_min`` and ``scale_max`` over every tensor."""
+        if not self.groups:
+            return {"nonfinite_amax": 0.0, "scale_min": 1.0, "scale_max": 1.0}
+        scales = torch.cat([g.scale for g in self.groups.values()])
+        nonfinite = sum(g.nonfinite.sum() for g in self.groups.values())
+        values = torch.stack([nonfinite.to(torch.float64), scales.min().double(), scales.max().double()]).tolist()
+        return {"nonfinite_amax": values[0], "scale_min": values[1], "scale_max": values[2]}
+
+    # -- checkpointing -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.groups:
+            return dict(self._pending) if self._pending is not None else {"names": list(self.names)}
+        out: dict[str, Any] = {"names": list(self.names), "generation": self.generation}
+        for name, group in self.groups.items():
+            for key, value in group.tensors().items():
+                out[f"{name}.{key}"] = value.detach().cpu().clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if list(state.get("names", [])) != self.names:
+            raise ValueError(
+                f"FP8 state was saved for modules {state.get('names')} but this model has {self.names}; "
+                "fuse the same model with the same FuseConfig before loading"
+            )
+        if "forward.history" not in state:
+            return
+        if self.groups:
+            self._apply_loaded(state)
+        else:
+            self._pending = dict(state)
+
+    def _apply_loaded(self, state: dict[str, Any]) -> None:
+        self.generation = int(state.get("generation", 0)) + 1
+        for name, group in self.groups.items():
+            device = group.history.device
+            for key in group.tensors():
+                setattr(group, key, state[f"{name}.{key}"].to(device).clone())

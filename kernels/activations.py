@@ -1,5 +1,8 @@
 """Activation functions and their derivatives: Triton device functions and float64-capable references.
 
+tanh-GELU is written through sigmoid: libdevice tanh does not run under the Triton interpreter,
+and sigmoid avoids the cancellation of ``1 + tanh(u)`` for large negative inputs.
+
 Names follow PyTorch: ``gelu`` (exact, erf), ``gelu_tanh`` (tanh approximation, GPT-2's
 ``gelu_new``), ``relu``, ``silu``, ``quick_gelu`` (``x * sigmoid(1.702 x)``), ``squared_relu``.
 """
@@ -38,19 +41,14 @@ def activation_id(name: object, argument: str = "activation") -> int:
 
 
 @triton.jit
-def _tanh(u):
-    # libdevice tanh does not run under the Triton interpreter; this form is exact in fp32 range.
-    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
-
-
-@triton.jit
 def act_forward(x, ACTIVATION: tl.constexpr):
     """``act(x)`` for fp32 ``x``."""
     if ACTIVATION == 1:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACTIVATION == 2:
+        # 0.5 (1 + tanh(u)) == sigmoid(2 u), without the cancellation for large negative x.
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        return 0.5 * x * (1.0 + _tanh(u))
+        return x * tl.sigmoid(2.0 * u)
     elif ACTIVATION == 3:
         return tl.maximum(x, 0.0)
     elif ACTIVATION == 4:
@@ -72,10 +70,11 @@ def act_derivative(x, ACTIVATION: tl.constexpr):
         pdf = 0.3989422804014327 * tl.exp(-0.5 * x * x)
         return cdf + x * pdf
     elif ACTIVATION == 2:
+        # With s = sigmoid(2 u): 0.5 (1 + tanh u) = s and 0.5 (1 - tanh(u)^2) = 2 s (1 - s).
         x2 = x * x
-        t = _tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x2))
+        s = tl.sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x2))
         du = 0.7978845608028654 * (1.0 + 0.134145 * x2)
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+        return s + 2.0 * x * s * (1.0 - s) * du
     elif ACTIVATION == 3:
         return tl.where(x > 0.0, 1.0, 0.0)
     elif ACTIVATION == 4:

@@ -1,0 +1,395 @@
+"""Train or fine-tune a GPT with PyTorch Lightning, with lightning-fuse's FP8 fused backward on.
+
+    python examples/gpt_finetune.py                              # tiny model, CPU, about a minute
+    python examples/gpt_finetune.py fuse=null                    # the same without the callback
+    python examples/gpt_finetune.py experiment=gpt2_xl_fp8       # GPT-2 XL width on one H200
+    python examples/gpt_finetune.py fuse.recipe.amax_history_len=16 fuse.convert=all
+    python examples/gpt_finetune.py model.source=hf              # HF GPT2LMHeadModel instead
+    python examples/gpt_finetune.py init_from=path/to/last.ckpt  # or a local HF model directory
+
+Configuration lives in configs/ (train.yaml and its groups); outputs (checkpoints, CSV logs) go
+to the Hydra run directory. The model is `gpt_model.GPT` (model.source=native) or Hugging
+Face's GPT2LMHeadModel (model.source=hf); the data is `gpt_data.TextDataModule`.
+"""
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+import torch.nn as nn
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from torch.nn import functional as F
+from typing_extensions import override
+
+from gpt_data import TextDataModule
+from gpt_model import GPT, GPTConfig
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("native", "hf")
+INIT_FROM_EXPECTED = (
+    "Expected 'scratch', a Lightning checkpoint file written by this example (*.ckpt), "
+    "or a local Hugging Face GPT-2 model directory (with config.json, as written by `save_pretrained`). "
+    "Nothing is downloaded."
+)
+
+# -----------------------------------------------------------------------------------------------
+# the network: built from scratch, from a checkpoint of this example, or from a local HF directory
+
+
+def resolve_init_from(init_from: str) -> tuple[str, Path | None]:
+    """Which kind of start `init_from` asks for: ("scratch" | "checkpoint" | "hf", path).
+
+    Raises:
+        FileNotFoundError: if the path does not exist.
+        ValueError: if it exists but is neither a `.ckpt` file nor a directory with config.json.
+    """
+    if init_from == "scratch":
+        return "scratch", None
+    path = Path(init_from).expanduser()
+    if path.is_file() and path.suffix == ".ckpt":
+        return "checkpoint", path
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf", path
+    if not path.exists():
+        raise FileNotFoundError(f"init_from={init_from!r} does not exist (resolved to {path.resolve()}). {INIT_FROM_EXPECTED}")
+    raise ValueError(f"init_from={init_from!r} is neither a .ckpt file nor a directory with config.json. {INIT_FROM_EXPECTED}")
+
+
+def new_network(architecture: dict[str, Any]) -> nn.Module:
+    """A freshly initialized network: our GPT (source "native") or HF's GPT2LMHeadModel ("hf")."""
+    if architecture["source"] == "native":
+        return GPT(GPTConfig(**{key: value for key, value in architecture.items() if key != "source"}))
+    # transformers is only needed for model.source=hf
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=architecture["vocab_size"],
+        n_positions=architecture["block_size"],
+        n_embd=architecture["n_embd"],
+        n_layer=architecture["n_layer"],
+        n_head=architecture["n_head"],
+        resid_pdrop=architecture["dropout"],
+        embd_pdrop=architecture["dropout"],
+        attn_pdrop=architecture["dropout"],
+        activation_function="gelu_new",  # the tanh GELU, as in our GPT's MLP
+    )
+    return GPT2LMHeadModel(config)
+
+
+def build_network(model: DictConfig, init_from: str, vocab_size: int) -> tuple[nn.Module, dict[str, Any]]:
+    """The network to train and its architecture (what a checkpoint of this example stores to rebuild it).
+
+    From scratch the sizes come from `model`; from a checkpoint or an HF directory they come from
+    there, and only `model.dropout` (and, for an HF directory, `model.source`) is taken from `model`.
+
+    Args:
+        model: the `model` config group.
+        init_from: "scratch", a `.ckpt` path or a local HF model directory.
+        vocab_size: the data's vocabulary size; the model's must be at least this.
+
+    Raises:
+        FileNotFoundError, ValueError: for a bad `init_from` or `model.source`, or a vocabulary too small.
+    """
+    if model.source not in SOURCES:
+        raise ValueError(f"model.source={model.source!r}; expected one of {SOURCES}")
+    kind, path = resolve_init_from(init_from)
+
+    if kind == "scratch":
+        architecture = dict(
+            source=model.source,
+            n_layer=model.n_layer,
+            n_head=model.n_head,
+            n_embd=model.n_embd,
+            block_size=model.block_size,
+            vocab_size=model.vocab_size or vocab_size,
+            dropout=model.dropout,
+        )
+        network = new_network(architecture)
+
+    elif kind == "checkpoint":
+        # weights_only: a checkpoint is a pickle, and this refuses anything but tensors and plain containers
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        if "architecture" not in checkpoint.get("hyper_parameters", {}):
+            raise ValueError(
+                f"init_from={init_from!r} is a checkpoint without hyper_parameters['architecture']. {INIT_FROM_EXPECTED}"
+            )
+        architecture = dict(checkpoint["hyper_parameters"]["architecture"], dropout=model.dropout)
+        network = new_network(architecture)
+        # the LightningModule keeps the network as `self.model`, so its keys start with "model."
+        network.load_state_dict({key.removeprefix("model."): value for key, value in checkpoint["state_dict"].items()})
+        rank_zero_info(f"init_from: loaded {path}; its architecture replaces model.*: {architecture}")
+
+    else:
+        from transformers import AutoConfig, GPT2LMHeadModel
+
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        if hf_config.model_type != "gpt2":
+            raise ValueError(
+                f"init_from={init_from!r} holds a {hf_config.model_type!r} model. {INIT_FROM_EXPECTED}"
+            )
+        dropout = model.dropout
+        # float32 master weights whatever the saved dtype: the Trainer's precision decides the compute dtype
+        hf_model = GPT2LMHeadModel.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32,
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        )
+        architecture = dict(
+            source=model.source,
+            n_layer=hf_config.n_layer,
+            n_head=hf_config.n_head,
+            n_embd=hf_config.n_embd,
+            block_size=hf_config.n_positions,
+            vocab_size=hf_config.vocab_size,
+            dropout=dropout,
+        )
+        network = GPT.from_hf_gpt2(hf_model, dropout) if model.source == "native" else hf_model
+        rank_zero_info(f"init_from: loaded {path}; its architecture replaces model.*: {architecture}")
+
+    if architecture["vocab_size"] < vocab_size:
+        raise ValueError(
+            f"the model's vocab_size is {architecture['vocab_size']}, but the data's tokens need {vocab_size}; "
+            "use a tokenizer that matches the model (data.tokenizer) or a larger model.vocab_size"
+        )
+    return network, architecture
+
+
+# -----------------------------------------------------------------------------------------------
+# the LightningModule
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to `min_ratio` at `total_steps` (nanoGPT's get_lr)."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if step >= total_steps:
+        return min_ratio
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)  # 0 -> 1
+    return min_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_ratio)
+
+
+class GPTFineTune(L.LightningModule):
+    """Next-token prediction with cross-entropy; AdamW with warm-up and cosine decay.
+
+    Args:
+        model: the network, a `gpt_model.GPT` or a HF `GPT2LMHeadModel`.
+        architecture: how to rebuild `model` (saved in checkpoints for `init_from`).
+        optimizer: lr, min_lr, warmup_steps, weight_decay, betas.
+    """
+
+    def __init__(self, model: nn.Module, architecture: dict[str, Any], optimizer: dict[str, Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.save_hyperparameters(ignore=["model"])
+        # (global step, mean validation loss) of every validation; the sanity check counts as the one at init
+        self.val_history: list[tuple[int, float]] = []
+        # the last few training losses, kept on the device so recording them costs no sync
+        self.recent_train_losses: deque[torch.Tensor] = deque(maxlen=10)
+        self._val_batch_losses: list[torch.Tensor] = []
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab_size) for token ids `idx` (B, T)."""
+        if self.hparams.architecture["source"] == "hf":
+            return self.model(input_ids=idx).logits
+        return self.model(idx)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        logits = self(x)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        self.recent_train_losses.append(loss.detach())
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss = self.loss(batch)
+        self.log("val/loss", loss, prog_bar=True)
+        self._val_batch_losses.append(loss)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        if not self._val_batch_losses:
+            return
+        mean = torch.stack(self._val_batch_losses).mean()
+        mean = self.trainer.strategy.reduce(mean, reduce_op="mean")
+        self.val_history.append((self.global_step, mean.item()))
+        self._val_batch_losses.clear()
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        settings = self.hparams.optimizer
+        # weight decay on matrices (linears, embeddings) only, not on biases and LayerNorm gains, as in GPT-2
+        parameters = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": settings["weight_decay"]},
+            {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            groups, lr=settings["lr"], betas=tuple(settings["betas"]), fused=self.device.type == "cuda"
+        )
+        schedule = partial(
+            lr_multiplier,
+            warmup_steps=settings["warmup_steps"],
+            total_steps=self.trainer.estimated_stepping_batches,
+            min_ratio=settings["min_lr"] / settings["lr"],
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# -----------------------------------------------------------------------------------------------
+# throughput
+
+
+class TokensPerSecond(Callback):
+    """Logs `train/tokens_per_sec` (all devices together) every optimizer step, over a sliding window.
+
+    The device is synchronized at each optimizer step so the clock sees the work queued on it.
+    Time spent in validation is not counted.
+
+    Args:
+        window: optimizer steps in the logged moving average.
+        warmup_steps: first optimizer steps left out of `tokens_per_sec` (they pay for allocator
+            growth and library initialization, not training).
+    """
+
+    def __init__(self, window: int = 10, warmup_steps: int = 2) -> None:
+        self.warmup_steps = warmup_steps
+        self.recent: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) per step
+        self.total_tokens = 0
+        self.total_seconds = 0.0
+        self._start: float | None = None
+        self._tokens = 0
+        self._last_step = -1
+
+    @property
+    def tokens_per_sec(self) -> float:
+        """Mean over all optimizer steps after the warm-up; NaN before any."""
+        return self.total_tokens / self.total_seconds if self.total_seconds > 0 else float("nan")
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._start is None:
+            _synchronize(pl_module.device)
+            self._start = time.perf_counter()
+            self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._tokens += batch[0].numel() * trainer.world_size
+        if trainer.global_step == self._last_step:
+            return  # gradient accumulation: the optimizer has not stepped yet
+        _synchronize(pl_module.device)
+        now = time.perf_counter()
+        self.recent.append((self._tokens, now - self._start))
+        if trainer.global_step > self.warmup_steps:
+            self.total_tokens += self._tokens
+            self.total_seconds += now - self._start
+        self._start, self._tokens, self._last_step = now, 0, trainer.global_step
+
+        tokens = sum(tokens for tokens, _ in self.recent)
+        seconds = sum(seconds for _, seconds in self.recent)
+        pl_module.log("train/tokens_per_sec", tokens / seconds, prog_bar=True)
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # drop the half-measured step around validation; the clock restarts at the next batch
+        self._start, self._tokens = None, 0
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -----------------------------------------------------------------------------------------------
+# training
+
+
+@dataclass
+class TrainResult:
+    train_loss: float  # mean of the last few training losses
+    val_loss: float  # at the end of training
+    val_loss_init: float  # before the first step (the sanity check)
+    tokens_per_sec: float
+    steps: int
+    checkpoint_path: str  # last.ckpt, usable as init_from
+
+
+def train(cfg: DictConfig) -> TrainResult:
+    """Builds data, model, callbacks and Trainer from `cfg` (configs/train.yaml), then fits.
+
+    Every input is checked (data.path, data.tokenizer, init_from) before training starts.
+    """
+    L.seed_everything(cfg.seed, workers=True)
+    torch.set_float32_matmul_precision(cfg.matmul_precision)
+
+    datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True), seed=cfg.seed)
+    network, architecture = build_network(cfg.model, cfg.init_from, datamodule.vocab_size)
+    if datamodule.block_size > architecture["block_size"]:
+        raise ValueError(
+            f"data.block_size={datamodule.block_size} exceeds the model's block_size={architecture['block_size']} "
+            "(its number of position embeddings); use a data.block_size of at most that"
+        )
+    module = GPTFineTune(network, architecture, OmegaConf.to_container(cfg.optimizer, resolve=True))
+
+    output_dir = Path(cfg.output_dir)
+    checkpoint = ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True)
+    throughput = TokensPerSecond()
+    callbacks: list[Callback] = [checkpoint, throughput, LearningRateMonitor(logging_interval="step")]
+    if cfg.get("fuse") is not None:
+        callbacks.append(hydra.utils.instantiate(cfg.fuse))
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=CSVLogger(output_dir, name="csv")
+    )
+
+    trainer.fit(module, datamodule=datamodule)
+    if module.val_history and module.val_history[-1][0] != trainer.global_step:
+        # the last scheduled validation came before the last step: measure the final model too
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+
+    nan = float("nan")
+    return TrainResult(
+        train_loss=torch.stack(list(module.recent_train_losses)).mean().item() if module.recent_train_losses else nan,
+        val_loss=module.val_history[-1][1] if module.val_history else nan,
+        val_loss_init=module.val_history[0][1] if module.val_history and module.val_history[0][0] == 0 else nan,
+        tokens_per_sec=throughput.tokens_per_sec,
+        steps=trainer.global_step,
+        checkpoint_path=checkpoint.last_model_path,
+    )
+
+
+@rank_zero_only
+def print_summary(result: TrainResult) -> None:
+    print(
+        f"\nfinished {result.steps} steps: train loss {result.train_loss:.4f} | "
+        f"val loss {result.val_loss:.4f} (at init {result.val_loss_init:.4f}) | "
+        f"{result.tokens_per_sec:,.0f} tokens/s\ncheckpoint: {result.checkpoint_path}"
+    )
+
+
+@hydra.main(config_path="../configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    print_summary(train(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""The kernel family against float64 references (CPU: Triton interpreter; GPU: the compiled kernels).
+
+Every test draws fresh random inputs; FP8 outputs are compared with torch's own saturating cast
+of the float64 reference (>= 99% bit-exact, every element within one FP8 step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_checks import assert_fp8_close
+from lightning_fuse.kernels import (
+    ACTIVATIONS,
+    FP8_FORMATS,
+    activation_derivative_reference,
+    activation_reference,
+    bias_act,
+    dact_dbias_quantize,
+    dact_dbias_quantize_current_scaling,
+    dbias_quantize,
+    quantize,
+    quantize_current_scaling,
+    quantize_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+# (leading shape, N): one row, N not a multiple of 16, several row groups, 3-D.
+SHAPES = [((1,), 48), ((37,), 70), ((67,), 33), ((2, 19), 48)]
+
+
+def _inputs(leading, n, dtype, *, seed=None):
+    g = torch.Generator(device="cpu").manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    grad = torch.randn(*leading, n, generator=g).to(DEVICE, dtype)
+    pre = (2 * torch.randn(*leading, n, generator=g)).to(DEVICE, dtype)
+    return grad, pre
+
+
+def _reference(grad, pre, activation):
+    g64, p64 = grad.double(), pre.double()
+    dx = g64 if activation is None else g64 * activation_derivative_reference(p64, activation)
+    return dx
+
+
+def _check_dbias(dbias, dx64):
+    expected = dx64.reshape(-1, dx64.shape[-1]).sum(0)
+    assert dbias.dtype == torch.float32 and dbias.shape == expected.shape
+    scale = expected.abs().max().clamp_min(1.0)
+    torch.testing.assert_close(dbias.double(), expected, rtol=0, atol=1e-5 * scale.item() * max(1, dx64.shape[0]) ** 0.5)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("leading,n", SHAPES)
+def test_dact_dbias_quantize_fp8_matches_float64(activation, dtype, leading, n):
+    fp8_dtype = FP8_DTYPES[(len(leading) + n) % 2]
+    grad, pre = _inputs(leading, n, dtype)
+    dx64 = _reference(grad, pre, activation)
+    scale = torch.tensor(float(FP8_FORMATS[fp8_dtype].max) / 8.0, device=DEVICE)
+    amax = torch.zeros(1, device=DEVICE)
+    dx, dx_t, dbias = dact_dbias_quantize(grad, pre, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
+                                          transpose=True)
+    assert dx.shape == grad.shape and dx.dtype == fp8_dtype
+    assert_fp8_close(dx.cpu(), quantize_reference(dx64, scale.cpu().double(), fp8_dtype))
+    m = grad.numel() // n
+    assert dx_t.shape == (n, m) and dx_t.is_contiguous()
+    assert torch.equal(dx_t.view(torch.uint8), dx.reshape(m, n).view(torch.uint8).t())
+    _check_dbias(dbias.cpu(), dx64.cpu())
+    torch.testing.assert_close(amax.double().cpu(), dx64.abs().max().reshape(1).cpu(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dact_dbias_high_precision_matches_float64(activation, dtype):
+    grad, pre = _inputs((45,), 40, dtype)
+    dx64 = _reference(grad, pre, activation)
+    dx, dx_t, dbias = dact_dbias_quantize(grad, pre, activation)
+    assert dx.dtype == dtype and dx_t is None
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(dx.double(), dx64, rtol=tol, atol=tol)
+    _check_dbias(dbias.cpu(), dx64.cpu())
+
+
+def test_non_contiguous_inputs():
+    grad_full, pre_full = _inputs((40,), 64, torch.bfloat16)
+    grad, pre = grad_full.t(), pre_full.t()  # (64, 40), column-major
+    assert not grad.is_contiguous()
+    scale = torch.tensor(100.0, device=DEVICE)
+    dx, dx_t, dbias = dact_dbias_quantize(grad, pre, "gelu_tanh", scale=scale, fp8_dtype=torch.float8_e5m2,
+                                          transpose=True)
+    dx64 = _reference(grad, pre, "gelu_tanh")
+    assert_fp8_close(dx.cpu(), quantize_reference(dx64, 100.0, torch.float8_e5m2).cpu())
+    assert torch.equal(dx_t.view(torch.uint8), dx.view(torch.uint8).t())
+    _check_dbias(dbias.cpu(), dx64.cpu())
+
+
+def test_empty_batch():
+    grad = torch.randn(0, 32, device=DEVICE)
+    amax = torch.full((1,), 3.0, device=DEVICE)
+    dx, dx_t, dbias = dact_dbias_quantize(grad, grad.clone(), "gelu", scale=torch.ones((), device=DEVICE),
+                                          fp8_dtype=torch.float8_e4m3fn, amax=amax, transpose=True)
+    assert dx.shape == (0, 32) and dx_t.shape == (32, 0)
+    assert torch.equal(dbias.cpu(), torch.zeros(32))
+    assert amax.item() == 3.0
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_saturates_instead_of_overflowing(fp8_dtype):
+    grad, pre = _inputs((20,), 48, torch.float32)
+    grad = grad * 1e4
+    dx, dx_t, _ = dact_dbias_quantize(grad, pre, "relu", scale=torch.tensor(1e4, device=DEVICE),
+                                      fp8_dtype=fp8_dtype, transpose=True)
+    values = dx.float()
+    fmax = FP8_FORMATS[fp8_dtype].max
+    assert torch.isfinite(values).all()
+    assert values.abs().max().item() == fmax
+    assert torch.equal(dx_t.view(torch.uint8), dx.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_gives_non_finite_amax(bad):
+    grad, pre = _inputs((16,), 32, torch.bfloat16)
+    grad[3, 5] = bad
+    amax = torch.zeros(1, device=DEVICE)
+    dact_dbias_quantize(grad, pre, "gelu", scale=torch.ones((), device=DEVICE), fp8_dtype=torch.float8_e5m2,
+                        amax=amax)
+    assert not torch.isfinite(amax).all()
+
+
+def test_dbias_is_bitwise_deterministic():
+    grad, pre = _inputs((300,), 96, torch.bfloat16)
+    first = dact_dbias_quantize(grad, pre, "gelu_tanh")[2]
+    for _ in range(3):
+        assert torch.equal(dact_dbias_quantize(grad, pre, "gelu_tanh")[2], first)
+
+
+def test_amax_is_max_reduced_in_place():
+    grad, pre = _inputs((24,), 32, torch.float32)
+    current = _reference(grad, pre, "silu").abs().max().item()
+    kwargs = dict(scale=torch.ones((), device=DEVICE), fp8_dtype=torch.float8_e5m2)
+    big = torch.full((1,), current * 10, device=DEVICE)
+    big_ptr = big.data_ptr()
+    dact_dbias_quantize(grad, pre, "silu", amax=big, **kwargs)
+    assert big.data_ptr() == big_ptr and big.item() == pytest.approx(current * 10)
+    small = torch.full((1,), current / 10, device=DEVICE)
+    dact_dbias_quantize(grad, pre, "silu", amax=small, **kwargs)
+    assert small.item() == pytest.approx(current, rel=1e-6)
+    history = torch.zeros(4, 3, device=DEVICE)  # a one-element view into a bigger tensor, as the recipes use
+    dact_dbias_quantize(grad, pre, "silu", amax=history[0, 1:2], **kwargs)
+    assert history[0, 1].item() == pytest.approx(current, rel=1e-6)
+    assert history.count_nonzero().item() == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_dbias_quantize(dtype, fp8_dtype):
+    grad, _ = _inputs((3, 11), 80, dtype)
+    scale = torch.tensor(7.0, device=DEVICE)
+    amax = torch.zeros(1, device=DEVICE)
+    dq, dq_t, dbias = dbias_quantize(grad, scale=scale, fp8_dtype=fp8_dtype, amax=amax, transpose=True)
+    g64 = grad.double()
+    assert_fp8_close(dq.cpu(), quantize_reference(g64, 7.0, fp8_dtype).cpu(), min_exact=1.0)
+    assert torch.equal(dq_t.view(torch.uint8), dq.reshape(33, 80).view(torch.uint8).t())
+    _check_dbias(dbias.cpu(), g64.cpu())
+    assert amax.item() == g64.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_quantize_exact(dtype, fp8_dtype):
+    # Values spread over the whole FP8 range, subnormals and ties included.
+    x = (torch.randn(50, 64) * torch.exp2(torch.randint(-20, 16, (50, 64)).float())).to(DEVICE, dtype)
+    scale = torch.tensor(0.75, device=DEVICE)
+    q, q_t = quantize(x, scale=scale, fp8_dtype=fp8_dtype, transpose=True)
+    expected = quantize_reference(x.double(), 0.75, fp8_dtype)
+    assert torch.equal(q.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_current_scaling_uses_the_tensors_own_amax(fp8_dtype):
+    grad, pre = _inputs((33,), 48, torch.bfloat16)
+    dx, dx_t, dbias, amax, scale = dact_dbias_quantize_current_scaling(grad, pre, "gelu", fp8_dtype=fp8_dtype,
+                                                                       transpose=True, margin=1)
+    dx64 = _reference(grad, pre, "gelu")
+    expected_amax = dx64.abs().max()
+    assert amax.item() == pytest.approx(expected_amax.item(), rel=1e-6)
+    assert scale.item() == pytest.approx(FP8_FORMATS[fp8_dtype].max / expected_amax.item() / 2, rel=1e-6)
+    assert_fp8_close(dx.cpu(), quantize_reference(dx64.cpu(), scale.cpu().double(), fp8_dtype))
+    assert torch.equal(dx_t.view(torch.uint8), dx.view(torch.uint8).t())
+    _check_dbias(dbias.cpu(), dx64.cpu())
+    x = torch.randn(21, 32, device=DEVICE)
+    q, q_t, x_amax, x_scale = quantize_current_scaling(x, fp8_dtype=fp8_dtype, transpose=True)
+    assert x_amax.item() == x.abs().max().item()
+    assert torch.equal(q.view(torch.uint8).cpu(), quantize_reference(x, x_scale, fp8_dtype).view(torch.uint8).cpu())
+    assert q.float().abs().max().item() == FP8_FORMATS[fp8_dtype].max
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_act(activation, dtype):
+    h = torch.randn(2, 13, 48, device=DEVICE, dtype=dtype)
+    bias = torch.randn(48, device=DEVICE, dtype=torch.float32)
+    amax = torch.zeros(1, device=DEVICE)
+    y, q, q_t = bias_act(h, bias, activation, scale=torch.tensor(4.0, device=DEVICE),
+                         fp8_dtype=torch.float8_e4m3fn, amax=amax, transpose=True)
+    expected = activation_reference(h.double() + bias.double(), activation)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 1e-3}[dtype]
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol)
+    # The FP8 copy quantizes exactly the returned y.
+    assert torch.equal(q.view(torch.uint8).cpu(),
+                       quantize_reference(y.double(), 4.0, torch.float8_e4m3fn).view(torch.uint8).cpu())
+    assert torch.equal(q_t.view(torch.uint8), q.reshape(26, 48).view(torch.uint8).t())
+    assert amax.item() == y.float().abs().max().item()
+    y2, q2, _ = bias_act(h, None, activation)
+    torch.testing.assert_close(y2.double(), activation_reference(h.double(), activation), rtol=tol, atol=tol)
+    assert q2 is None
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def _good():
+    grad = torch.randn(8, 16, device=DEVICE)
+    return grad, torch.randn(8, 16, device=DEVICE)
+
+
+def test_rejects_integer_tensors():
+    grad, pre = _good()
+    with pytest.raises(TypeError, match=r"`grad` must have dtype .*got torch.int32"):
+        dact_dbias_quantize(grad.to(torch.int32), pre, "gelu")
+    with pytest.raises(TypeError, match="`pre_act` must be a torch.Tensor"):
+        dact_dbias_quantize(grad, [1.0], "gelu")
+
+
+def test_rejects_mismatched_shapes():
+    grad, pre = _good()
+    with pytest.raises(ValueError, match=r"`pre_act` must have the shape of `grad` \(8, 16\); got \(8, 15\)"):
+        dact_dbias_quantize(grad, pre[:, :15], "gelu")
+
+
+def test_rejects_missing_scale_and_bad_fp8_dtype():
+    grad, pre = _good()
+    with pytest.raises(TypeError, match="`scale` must be a float32 tensor.*got NoneType"):
+        dact_dbias_quantize(grad, pre, "gelu", fp8_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match=r"`fp8_dtype` must be one of .*float8_e4m3fn.*got torch.float16"):
+        dact_dbias_quantize(grad, pre, "gelu", scale=torch.ones(()), fp8_dtype=torch.float16)
+    with pytest.raises(ValueError, match="`scale` must be a float32 tensor with one element; got dtype torch.float64"):
+        dact_dbias_quantize(grad, pre, "gelu", scale=torch.ones((), dtype=torch.float64, device=DEVICE),
+                            fp8_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="`transpose=True` needs `fp8_dtype`"):
+        dact_dbias_quantize(grad, pre, "gelu", transpose=True)
+
+
+def test_rejects_unknown_activation_and_bad_amax():
+    grad, pre = _good()
+    with pytest.raises(ValueError, match=r"`activation` must be one of gelu, gelu_tanh.*got 'gelu_fast'"):
+        dact_dbias_quantize(grad, pre, "gelu_fast")
+    with pytest.raises(ValueError, match="`amax` must be a float32 tensor with one element"):
+        dact_dbias_quantize(grad, pre, "gelu", amax=torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError, match=r"`bias` must have shape \(16,\)"):
+        bias_act(grad, torch.zeros(15, device=DEVICE), "gelu")
+    with pytest.raises(ValueError, match="`fp8_dtype` is required"):
+        quantize(grad, scale=torch.ones((), device=DEVICE), fp8_dtype=None)

@@ -1,10 +1,19 @@
 """``fp8_autocast``: the context under which fused modules run their FP8 path.
 
-When scales move outside Lightning (``update_scales=True``, the default), as in TransformerEngine:
-the forward tensors' scales (inputs, weights) update once when the outermost use of the context
-exits, the gradients' scales once when the backward pass that used them ends. Each is one batched
-update per model (see ``scaling.py``). The Lightning callback passes ``update_scales=False`` and
-updates once per optimizer step instead, after gradient accumulation.
+When scales move outside Lightning (``update_scales=True``, the default): once, when the context
+exits, for every model that ran FP8 inside it, in one batched update per model (``scaling.py``):
+
+- the forward tensors (inputs, weights) from the amaxes recorded inside this context;
+- the gradients from the amaxes recorded by the backward passes since the previous update.
+
+So step ``t``'s backward quantizes with scales built from gradient amaxes up to step ``t - 1``,
+the same delay as TransformerEngine (which updates at the end of each backward), while nothing
+runs from inside a backward pass: no Python side effect for ``torch.compile`` to trace there.
+A backward run inside the context is counted in that same exit's update.
+
+The Lightning callback passes ``update_scales=False`` and updates once per optimizer step instead,
+after gradient accumulation; code outside Lightning that accumulates gradients can do the same with
+``fp8_state_of(model).update(recipe)``.
 """
 
 from __future__ import annotations
@@ -43,8 +52,8 @@ def fp8_autocast(recipe: object = None, enabled: bool = True, *, update_scales: 
         recipe: ``DelayedScaling`` (the default when ``None``), ``CurrentScaling``, their names, or a
             mapping of a recipe's fields.
         enabled: ``False`` runs every fused module in high precision (its backward stays fused).
-        update_scales: update delayed scales at context exit (forward tensors) and at the end of
-            backward (gradients); ``False`` leaves it to the caller (``FP8ScalingState.update``).
+        update_scales: update the delayed scales of every model that ran inside, at exit (module
+            docstring); ``False`` leaves it to the caller (``FP8ScalingState.update``).
 
     Example::
 
@@ -61,4 +70,4 @@ def fp8_autocast(recipe: object = None, enabled: bool = True, *, update_scales: 
         _STACK.pop()
         if ctx.enabled and ctx.update_scales and isinstance(ctx.recipe, DelayedScaling):
             for state in ctx.states.values():
-                state.update(ctx.recipe, ("forward",))
+                state.update(ctx.recipe)

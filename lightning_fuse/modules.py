@@ -112,7 +112,6 @@ class _FP8Plan:
     module: "_FP8LinearBase"
     recipe: Recipe
     state: Optional[FP8ScalingState]
-    update_scales: bool
     dtype: torch.dtype
     need_wgrad: bool  # decided outside the autograd function, where grad mode is still visible
 
@@ -186,8 +185,6 @@ class _FP8LinearFunction(torch.autograd.Function):
             else:
                 dq, dq_t, dbias = dbias_quantize(dy2, scale=scale_g, fp8_dtype=bwd_dtype, amax=amax_g,
                                                  transpose=need_wgrad)
-            if plan.update_scales:
-                plan.state.queue_backward_update(recipe)
         else:
             dq, dq_t, dbias, _, scale_g = dact_dbias_quantize_current_scaling(
                 dy2, h, activation, fp8_dtype=bwd_dtype, transpose=need_wgrad, margin=recipe.margin)
@@ -252,7 +249,7 @@ class _FP8LinearBase(nn.Module):
         self.fp8_state: Optional[FP8ScalingState] = None
         self.fp8_index = -1
         self._weight_cache: Optional[tuple] = None
-        self._recompute: Optional[tuple[Recipe, bool]] = None
+        self._recompute: Optional[Recipe] = None
 
     def bind_fp8_state(self, state: FP8ScalingState, name: str) -> None:
         """Registers this module's three FP8 tensors in the model's ``state`` under ``name``."""
@@ -285,8 +282,8 @@ class _FP8LinearBase(nn.Module):
         h = F.linear(x, w, self.bias)
         return activation_forward(h, self.activation) if self.activation else h
 
-    def _fp8_recipe(self, x: torch.Tensor) -> Optional[tuple[Recipe, bool]]:
-        """``(recipe, update_scales)`` when this call runs FP8, else ``None`` (warning once where FP8 was asked)."""
+    def _fp8_recipe(self, x: torch.Tensor) -> Optional[Recipe]:
+        """The recipe when this call runs FP8, else ``None`` (warning once where FP8 was asked for)."""
         ctx = active_context()
         if ctx is None:
             # Activation checkpointing recomputes the forward during backward, outside the context:
@@ -317,8 +314,8 @@ class _FP8LinearBase(nn.Module):
         if isinstance(ctx.recipe, DelayedScaling):
             self.fp8_state.ensure(ctx.recipe.amax_history_len, x.device)
             ctx.states[id(self.fp8_state)] = self.fp8_state
-        self._recompute = (ctx.recipe, ctx.update_scales)
-        return ctx.recipe, ctx.update_scales
+        self._recompute = ctx.recipe
+        return ctx.recipe
 
     def _fqn(self) -> str:
         state = self.fp8_state
@@ -360,7 +357,7 @@ class _FP8LinearBase(nn.Module):
             return self._plain_forward(x)
         fp8 = self._fp8_recipe(x)
         if fp8 is not None:
-            plan = _FP8Plan(self, fp8[0], self.fp8_state, fp8[1], _compute_dtype(x),
+            plan = _FP8Plan(self, fp8, self.fp8_state, _compute_dtype(x),
                             self.weight.requires_grad and torch.is_grad_enabled())
             return _FP8LinearFunction.apply(x, self.weight, self.bias, plan)
         if self.activation is None:

@@ -56,7 +56,6 @@ class FP8ScalingState:
         # Bumped at every update of the forward scales: cached FP8 weights are keyed on it.
         self.generation = 0
         self._pending: Optional[dict[str, Any]] = None  # loaded state waiting for a device
-        self._backward_update_queued = False
 
     # -- registration and storage -------------------------------------------------------------
 
@@ -116,8 +115,6 @@ class FP8ScalingState:
             self._update_group(self.groups[g], recipe, fp8_max)
         if "forward" in groups:
             self.generation += 1
-        if "backward" in groups:
-            self._backward_update_queued = False
 
     @staticmethod
     def _update_group(group: _Group, recipe: DelayedScaling, fp8_max: float) -> None:
@@ -134,13 +131,6 @@ class FP8ScalingState:
         group.scale_inv = scale.reciprocal()
         group.history = torch.roll(history, 1, dims=0)
         group.history[0].zero_()
-
-    def queue_backward_update(self, recipe: DelayedScaling) -> None:
-        """Updates the backward scales once, when the running backward pass ends."""
-        if self._backward_update_queued:
-            return
-        self._backward_update_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.update(recipe, ("backward",)))
 
     # -- health ------------------------------------------------------------------------------
 

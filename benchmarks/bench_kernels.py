@@ -1,0 +1,181 @@
+"""Kernel benchmark (GPU): the fused kernels against PyTorch eager and torch.compile of the same math.
+
+For every size and input dtype, each kernel's outputs are first checked against the eager baseline
+(every element of every transposed output compared with the row-wise copy), then timed (median
+of CUDA-event timings after warm-up, ``triton.testing.do_bench``). Bandwidth counts the bytes each
+kernel must move (inputs read once, outputs written once) and is reported as a fraction of the
+device-to-device copy bandwidth measured in the same run.
+
+    python benchmarks/bench_kernels.py --out results/kernels [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from common import (
+    copy_bandwidth_gbps,
+    environment,
+    median_ms,
+    print_table,
+    unfused_dact_dbias_quantize,
+    unfused_dbias_quantize,
+    unfused_quantize,
+    write_results,
+)
+from lightning_fuse.kernels import dact_dbias_quantize, dbias_quantize, quantize
+from lightning_fuse.kernels._launch import LaunchConfig
+from lightning_fuse.kernels.dact_dbias_quantize import _launch
+
+SIZES = [(8192, 3072), (16384, 6400), (32768, 8192), (16384, 16384)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD = torch.float8_e5m2
+FWD = torch.float8_e4m3fn
+
+
+def _check(name, ours, theirs):
+    """FP8 outputs: >= 99.9% bit-exact with the eager cast, transposed copy exactly the row-wise one."""
+    q, q_t = ours[0], ours[1]
+    a, b = q.view(torch.uint8), theirs[0].view(torch.uint8)
+    exact = (a == b).float().mean().item()
+    step_off = ((q.float() - theirs[0].float()).abs() > q.float().abs().clamp_min(1e-30) * 0.26).sum().item()
+    transposed_ok = torch.equal(q_t.view(torch.uint8), a.t())
+    ok = exact >= 0.99 and transposed_ok and step_off == 0
+    if len(ours) > 2 and ours[2] is not None:
+        rel = ((ours[2] - theirs[2]).norm() / theirs[2].norm()).item()
+        ok = ok and rel < 1e-3
+    if not ok:
+        print(f"CHECK FAILED {name}: exact={exact:.5f} transposed_ok={transposed_ok} far={step_off}")
+    return ok, exact
+
+
+def _poison_like(*shapes_dtypes):
+    """Fills freed allocator blocks with 0xFF so an element the kernel never writes shows as NaN."""
+    blocks = [torch.full(s, 255, dtype=torch.uint8, device="cuda") for s in shapes_dtypes]
+    del blocks
+
+
+def sweep(m=16384, n=6400, dtype=torch.bfloat16):
+    """Times launch configurations of the fused kernel (checking each) and returns the rows."""
+    grad = torch.randn(m, n, device="cuda", dtype=dtype)
+    pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
+    scale = torch.tensor(2048.0, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    ref = unfused_dact_dbias_quantize(grad, pre, "tanh", scale, GRAD, amax.clone())
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (bm, bn), warps, per_sm in itertools.product(
+            [(32, 128), (64, 64), (64, 128), (128, 64), (128, 128), (32, 256), (64, 256)], [4, 8], [2, 4, 8]):
+        strips = -(-n // bn)
+        groups = max(1, min(-(-m // bm), -(-(sms * per_sm) // strips)))
+        cfg = LaunchConfig(bm, bn, warps, groups)
+        out = torch.empty(m, n, dtype=torch.uint8, device="cuda")
+        out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
+        dbias = torch.empty(n, dtype=torch.float32, device="cuda")
+
+        def run():
+            _launch(grad, pre, 2, scale, 2, amax, True, True, True, cfg, out, out_t, dbias)
+        try:
+            run()
+        except Exception as exc:  # a configuration the compiler rejects (e.g. out of resources)
+            rows.append(dict(block_m=bm, block_n=bn, warps=warps, per_sm=per_sm, ms=float("nan"), ok=repr(exc)[:60]))
+            continue
+        ok, _ = _check(f"sweep {cfg}", (out.view(GRAD), out_t.view(GRAD), dbias), ref)
+        ms = median_ms(run)
+        rows.append(dict(block_m=bm, block_n=bn, warps=warps, per_sm=per_sm, ms=ms, ok=str(ok)))
+    return rows
+
+
+def bench(sizes, dtypes, copy_gbps):
+    rows = []
+    for (m, n), (dname, dtype) in itertools.product(sizes, dtypes.items()):
+        grad = torch.randn(m, n, device="cuda", dtype=dtype)
+        pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
+        scale = torch.tensor(2048.0, device="cuda")
+        amax = torch.zeros(1, device="cuda")
+        eb = grad.element_size()
+        cases = {
+            "dact_dbias_quantize": (
+                lambda: dact_dbias_quantize(grad, pre, "gelu_tanh", scale=scale, fp8_dtype=GRAD, amax=amax,
+                                            transpose=True),
+                lambda: unfused_dact_dbias_quantize(grad, pre, "tanh", scale, GRAD, amax),
+                m * n * (2 * eb + 2)),
+            "dbias_quantize": (
+                lambda: dbias_quantize(grad, scale=scale, fp8_dtype=GRAD, amax=amax, transpose=True),
+                lambda: unfused_dbias_quantize(grad, scale, GRAD, amax),
+                m * n * (eb + 2)),
+            "quantize": (
+                lambda: quantize(pre, scale=scale / 64, fp8_dtype=FWD, amax=amax, transpose=True),
+                lambda: unfused_quantize(pre, scale / 64, FWD, amax),
+                m * n * (eb + 2)),
+        }
+        for name, (ours, eager, nbytes) in cases.items():
+            _poison_like((m, n), (n, m))
+            ok, exact = _check(f"{name} {m}x{n} {dname}", ours(), eager())
+            compiled = torch.compile(eager, dynamic=False)
+            compiled()
+            t_ours, t_eager, t_comp = median_ms(ours), median_ms(eager), median_ms(compiled)
+            gbps = nbytes / t_ours / 1e6
+            rows.append(dict(kernel=name, M=m, N=n, dtype=dname, ours_ms=t_ours, eager_ms=t_eager,
+                             compile_ms=t_comp, vs_eager=t_eager / t_ours, vs_compile=t_comp / t_ours,
+                             GBps=gbps, frac_copy=gbps / copy_gbps, exact=exact, ok=str(ok)))
+            print_table(rows[-1:], list(rows[-1]))
+            torch._dynamo.reset()
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kernels = sorted({r["kernel"] for r in rows})
+    fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 4), sharey=True)
+    for ax, kernel in zip(axes, kernels):
+        sub = [r for r in rows if r["kernel"] == kernel]
+        labels = [f"{r['M']}x{r['N']}\n{r['dtype']}" for r in sub]
+        x = range(len(sub))
+        for offset, key, label in ((-0.25, "frac_copy", "ours"),):
+            ax.bar([i + offset for i in x], [r[key] for r in sub], width=0.25, label=label)
+        ax.bar([i for i in x], [r["frac_copy"] * r["ours_ms"] / r["compile_ms"] for r in sub], width=0.25,
+               label="torch.compile")
+        ax.bar([i + 0.25 for i in x], [r["frac_copy"] * r["ours_ms"] / r["eager_ms"] for r in sub], width=0.25,
+               label="eager")
+        ax.axhline(0.85, color="k", ls="--", lw=0.8)
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_title(kernel)
+        ax.set_ylabel("fraction of copy bandwidth (ours' bytes)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/kernels")
+    parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the fused kernel")
+    parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
+    args = parser.parse_args()
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    torch.manual_seed(0)
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
+    extra = {"copy_GBps": copy_gbps}
+    if args.sweep:
+        sweep_rows = sweep()
+        write_results(args.out, "sweep", sweep_rows)
+        print_table(sorted(sweep_rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:10], list(sweep_rows[0]))
+    rows = bench(sizes, DTYPES, copy_gbps)
+    out = write_results(args.out, "kernels", rows, extra)
+    plot(rows, out / "kernels.png")
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s")
+    print_table(rows, ["kernel", "M", "N", "dtype", "ours_ms", "eager_ms", "compile_ms", "vs_eager", "vs_compile",
+                       "frac_copy", "ok"])
+
+
+if __name__ == "__main__":
+    main()

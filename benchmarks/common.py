@@ -1,0 +1,94 @@
+"""Shared pieces of the GPU benchmarks: timing, copy bandwidth, the unfused PyTorch baselines, output."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+from datetime import date
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+import triton.testing
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def environment() -> dict:
+    """Date, GPU, library versions: stamped on every result file."""
+    return {
+        "date": date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    """Median time of ``fn`` in ms: CUDA events through ``triton.testing.do_bench``, after warm-up."""
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), measured now."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def unfused_dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, approximate: str, scale: torch.Tensor,
+                                fp8_dtype: torch.dtype, amax: torch.Tensor, transpose: bool = True):
+    """The PyTorch sequence the fused kernel replaces: gelu_backward, sum, amax, scaled saturating cast, transpose."""
+    dx = torch.ops.aten.gelu_backward(grad, pre_act, approximate=approximate)
+    dbias = dx.sum(0, dtype=torch.float32)
+    torch.maximum(amax, dx.abs().max().float().reshape(1), out=amax)
+    fmax = FP8_MAX[fp8_dtype]
+    q = (dx.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    return q, (q.t().contiguous() if transpose else None), dbias
+
+
+def unfused_dbias_quantize(grad: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor,
+                           transpose: bool = True):
+    dbias = grad.sum(0, dtype=torch.float32)
+    torch.maximum(amax, grad.abs().max().float().reshape(1), out=amax)
+    fmax = FP8_MAX[fp8_dtype]
+    q = (grad.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    return q, (q.t().contiguous() if transpose else None), dbias
+
+
+def unfused_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor,
+                     transpose: bool = True):
+    torch.maximum(amax, x.abs().max().float().reshape(1), out=amax)
+    fmax = FP8_MAX[fp8_dtype]
+    q = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    return q, (q.t().contiguous() if transpose else None)
+
+
+def write_results(out_dir: str | os.PathLike, stem: str, rows: list[dict], extra: dict | None = None) -> Path:
+    """Writes ``stem.csv`` and ``stem.json`` (rows + environment) under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(out / f"{stem}.json", "w") as f:
+        json.dump({"environment": environment(), **(extra or {}), "rows": rows}, f, indent=2)
+    return out
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)

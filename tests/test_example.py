@@ -1,0 +1,269 @@
+"""Tests of the GPT example (examples/gpt_finetune.py and its model, data and configs), on CPU.
+
+The example is a script folder, not a package: its modules import each other as siblings
+(`from gpt_model import GPT`), so this file puts examples/ on sys.path the way running the
+script does.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "configs"
+sys.path.insert(0, str(REPO / "examples"))
+
+from gpt_data import NOT_STDLIB, RandomBlockDataset, TextDataModule, stdlib_source_files  # noqa: E402
+from gpt_finetune import lr_multiplier, train  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+
+def fuse_callback_exists() -> bool:
+    try:
+        import lightning_fuse
+    except ImportError:
+        return False
+    return hasattr(lightning_fuse, "FusedBackwardCallback")
+
+
+# Every training test runs once per entry: without the callback, and with it (as configured by
+# configs/callbacks/fused_backward.yaml) once lightning_fuse provides it.
+FUSE_MODES = [
+    pytest.param(["fuse=null"], id="fuse-off"),
+    pytest.param(
+        [],
+        id="fuse-on",
+        marks=pytest.mark.skipif(not fuse_callback_exists(), reason="lightning_fuse.FusedBackwardCallback not written yet"),
+    ),
+]
+
+# the tiny preset, shortened: a few seconds per run on two CPU cores
+QUICK = [
+    "trainer.max_steps=30",
+    "trainer.val_check_interval=15",
+    "trainer.limit_val_batches=4",
+    "trainer.log_every_n_steps=5",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "data.max_bytes=300_000",
+]
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def quick_config(tmp_path: Path, overrides: list[str]) -> DictConfig:
+    return compose_config([*QUICK, f"output_dir={tmp_path}", *overrides])
+
+
+def save_tiny_hf_gpt2(directory: Path) -> Path:
+    """A randomly initialized GPT-2 with byte vocabulary, saved as a local HF model directory."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None
+    )
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+# -----------------------------------------------------------------------------------------------
+# configs
+
+
+def config_names(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("group", "name"),
+    [(group, name) for group in ("model", "data", "trainer") for name in config_names(group)],
+)
+def test_every_group_config_composes(group: str, name: str) -> None:
+    cfg = compose_config([f"{group}={name}", "output_dir=/tmp/unused"])
+    assert cfg[group] is not None
+
+
+@pytest.mark.parametrize("name", config_names("experiment"))
+def test_every_experiment_composes_into_a_model_that_builds(name: str) -> None:
+    cfg = compose_config([f"experiment={name}", "output_dir=/tmp/unused"])
+    # sequence 1024 on one bf16 GPU, ~16k tokens per optimizer step (the benchmark's setting)
+    assert cfg.model.block_size == 1024
+    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "bf16-mixed"
+    tokens_per_step = cfg.data.batch_size * cfg.data.block_size * cfg.trainer.accumulate_grad_batches
+    assert 12_000 <= tokens_per_step <= 20_000
+    # on the meta device: checks the sizes (n_head divides n_embd) without allocating anything
+    with torch.device("meta"):
+        GPT(GPTConfig(**{k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}))
+
+
+def test_trainer_default_instantiates_on_cpu(tmp_path: Path) -> None:
+    from hydra.utils import instantiate
+
+    cfg = compose_config([f"output_dir={tmp_path}"])
+    trainer = instantiate(cfg.trainer, logger=False)
+    assert trainer.max_steps == cfg.trainer.max_steps
+
+
+def test_fuse_callback_is_on_by_default_and_can_be_disabled() -> None:
+    cfg = compose_config(["output_dir=/tmp/unused"])
+    assert cfg.fuse._target_ == "lightning_fuse.FusedBackwardCallback"
+    assert cfg.fuse.recipe._target_.startswith("lightning_fuse.")
+    assert compose_config(["fuse=null", "output_dir=/tmp/unused"]).fuse is None
+    assert "fuse" not in compose_config(["~fuse", "output_dir=/tmp/unused"])
+
+
+def test_fuse_flags_are_set_from_the_command_line() -> None:
+    cfg = compose_config(["output_dir=/tmp/unused"])
+    if "convert" not in cfg.fuse or "amax_history_len" not in cfg.fuse.recipe:
+        pytest.skip("configs/callbacks and configs/recipe do not list convert / amax_history_len yet")
+    cfg = compose_config(["fuse.recipe.amax_history_len=16", "fuse.convert=all", "output_dir=/tmp/unused"])
+    assert cfg.fuse.recipe.amax_history_len == 16
+    assert cfg.fuse.convert == "all"
+
+
+# -----------------------------------------------------------------------------------------------
+# model and data
+
+
+def test_native_gpt_matches_hf_gpt2_after_weight_copy(tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    hf_model = GPT2LMHeadModel.from_pretrained(save_tiny_hf_gpt2(tmp_path / "hf"), local_files_only=True).eval()
+    native = GPT.from_hf_gpt2(hf_model).eval()
+    idx = torch.randint(0, 256, (3, 77))
+    torch.testing.assert_close(native(idx), hf_model(input_ids=idx).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_random_blocks_are_deterministic_and_shifted_by_one() -> None:
+    tokens = torch.randint(0, 256, (5000,), dtype=torch.int32)
+    first, again, other = (RandomBlockDataset(tokens, 64, 32, seed) for seed in (7, 7, 8))
+    x, y = first[5]
+    assert x.shape == y.shape == (64,) and x.dtype == torch.long
+    torch.testing.assert_close(x[1:], y[:-1])
+    assert all(torch.equal(first[i][0], again[i][0]) for i in range(32))
+    assert not all(torch.equal(first[i][0], other[i][0]) for i in range(32))
+
+
+def test_default_corpus_is_the_standard_library_only() -> None:
+    files = stdlib_source_files()
+    assert files and all(file.suffix == ".py" for file in files)
+    assert not any(NOT_STDLIB.intersection(file.parts) for file in files)
+
+
+def test_data_from_a_folder_and_a_local_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"part{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 200)
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(
+        [path.read_text() for path in corpus.iterdir()],
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
+    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="[UNK]").save_pretrained(tmp_path / "tokenizer")
+
+    data = TextDataModule(path=str(corpus), glob="*.txt", tokenizer=str(tmp_path / "tokenizer"), block_size=16)
+    data.setup("fit")
+    x, y = next(iter(data.train_dataloader()))
+    assert data.vocab_size > 256
+    assert x.shape == (16, 16) and 0 <= int(x.min()) and int(x.max()) < data.vocab_size
+
+
+def test_lr_schedule_warms_up_then_decays_to_min() -> None:
+    multipliers = [lr_multiplier(step, warmup_steps=5, total_steps=50, min_ratio=0.1) for step in range(60)]
+    assert multipliers[0] < multipliers[4] < multipliers[5] == 1.0
+    assert multipliers[50:] == [0.1] * 10
+    assert all(a >= b for a, b in zip(multipliers[5:], multipliers[6:]))
+
+
+# -----------------------------------------------------------------------------------------------
+# training
+
+
+@pytest.mark.parametrize("fuse", FUSE_MODES)
+@pytest.mark.parametrize("source", ["native", "hf"])
+def test_tiny_run_learns(tmp_path: Path, source: str, fuse: list[str]) -> None:
+    result = train(quick_config(tmp_path, [f"model.source={source}", *fuse]))
+    assert result.steps == 30
+    assert all(math.isfinite(loss) for loss in (result.train_loss, result.val_loss, result.val_loss_init))
+    # from ~ln(256) = 5.5 at init; 30 steps of the tiny model reach ~3
+    assert result.val_loss < result.val_loss_init - 1.0
+    assert result.tokens_per_sec > 0
+    assert Path(result.checkpoint_path).is_file()
+
+
+@pytest.mark.parametrize("fuse", FUSE_MODES)
+def test_init_from_a_checkpoint_continues_from_its_weights(tmp_path: Path, fuse: list[str]) -> None:
+    first = train(quick_config(tmp_path / "first", fuse))
+    # different model sizes on the command line: a checkpoint's own architecture wins
+    second = train(
+        quick_config(tmp_path / "second", [f"init_from={first.checkpoint_path}", "model.n_layer=5", *fuse])
+    )
+    # same seed, so the same validation blocks: the second run starts where the first ended
+    assert second.val_loss_init == pytest.approx(first.val_loss, abs=1e-4)
+    assert second.val_loss < first.val_loss
+
+
+@pytest.mark.parametrize("fuse", FUSE_MODES)
+def test_init_from_a_local_hf_directory(tmp_path: Path, fuse: list[str]) -> None:
+    hf_dir = save_tiny_hf_gpt2(tmp_path / "hf")
+    results = {
+        source: train(quick_config(tmp_path / source, [f"init_from={hf_dir}", f"model.source={source}", *fuse]))
+        for source in ("native", "hf")
+    }
+    # both sources start from the same weights, so they see the same loss at init
+    assert results["native"].val_loss_init == pytest.approx(results["hf"].val_loss_init, abs=1e-4)
+    for result in results.values():
+        assert result.val_loss < result.val_loss_init
+
+
+# -----------------------------------------------------------------------------------------------
+# bad input: clear errors, before any training
+
+
+def test_missing_data_path_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_corpus.txt"
+    with pytest.raises(FileNotFoundError, match=r"data\.path='.*no_such_corpus\.txt' does not exist.*Expected a text file"):
+        train(quick_config(tmp_path, [f"data.path={missing}", "fuse=null"]))
+
+
+def test_folder_without_matching_files_names_the_glob(tmp_path: Path) -> None:
+    (tmp_path / "notes.md").write_text("not a .py file")
+    with pytest.raises(FileNotFoundError, match=r"no file in it matches data\.glob='\*\*/\*\.py'"):
+        train(quick_config(tmp_path, [f"data.path={tmp_path}", "fuse=null"]))
+
+
+def test_missing_tokenizer_directory_names_it(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"data\.tokenizer='.*no_tokenizer' is not a directory"):
+        train(quick_config(tmp_path, [f"data.tokenizer={tmp_path / 'no_tokenizer'}", "fuse=null"]))
+
+
+def test_missing_init_from_names_it_and_what_was_expected(tmp_path: Path) -> None:
+    missing = tmp_path / "gone" / "last.ckpt"
+    with pytest.raises(FileNotFoundError, match=r"init_from='.*gone/last\.ckpt' does not exist.*Expected 'scratch'"):
+        train(quick_config(tmp_path, [f"init_from={missing}", "fuse=null"]))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_init_from_a_folder_that_is_not_a_model(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"neither a \.ckpt file nor a directory with config\.json"):
+        train(quick_config(tmp_path, [f"init_from={tmp_path / 'empty'}", "fuse=null"]))
+
+
+def test_unknown_model_source_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"model\.source='jax'; expected one of \('native', 'hf'\)"):
+        train(quick_config(tmp_path, ["model.source=jax", "fuse=null"]))

@@ -1,0 +1,234 @@
+"""GPU-only checks: the compiled kernels at training sizes, every ``torch._scaled_mm`` layout the
+modules use, and the real FP8 path of the modules (eager and ``torch.compile``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp8_checks import assert_fp8_close, fp8_step, sqnr_db
+from lightning_fuse import CurrentScaling, DelayedScaling, FP8Linear, FP8ScalingState, FusedLinearBiasActivation
+from lightning_fuse import fp8_autocast
+from lightning_fuse.kernels import (
+    activation_derivative_reference,
+    dact_dbias_quantize,
+    dbias_quantize,
+    quantize,
+    quantize_reference,
+)
+
+pytestmark = pytest.mark.gpu
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _poison(nbytes: int) -> None:
+    # Freed blocks refilled with 0xFF (NaN in both FP8 formats): an unwritten output element shows.
+    block = torch.full((nbytes,), 255, dtype=torch.uint8, device="cuda")
+    del block
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8_dtype", [E5M2, E4M3])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu", "relu", "silu", "quick_gelu", "squared_relu"])
+@pytest.mark.parametrize("m,n", [(8192, 3072), (4099, 1000)])
+def test_fused_kernel_at_training_sizes(dtype, fp8_dtype, activation, m, n):
+    grad = torch.randn(m, n, device="cuda", dtype=dtype)
+    pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
+    scale = torch.tensor(float(2 ** 10 if fp8_dtype == E5M2 else 64), device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    _poison(2 * m * n)
+    dx, dx_t, dbias = dact_dbias_quantize(grad, pre, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
+                                          transpose=True)
+    dx64 = grad.double() * activation_derivative_reference(pre.double(), activation)
+    assert_fp8_close(dx, quantize_reference(dx64, scale.double(), fp8_dtype))
+    # Every element of the transposed copy.
+    assert torch.equal(dx_t.view(torch.uint8), dx.view(torch.uint8).t())
+    expected_db = dx64.sum(0)
+    assert ((dbias.double() - expected_db).norm() / expected_db.norm()).item() < 1e-5
+    assert amax.item() == pytest.approx(dx64.abs().max().item(), rel=1e-5)
+    assert sqnr_db(dx.double() / scale.double(), dx64) >= (25 if fp8_dtype == E5M2 else 30)
+
+
+@pytest.mark.parametrize("m,n", [(16384, 6400), (1, 4096), (333, 96)])
+def test_quantize_and_dbias_quantize_at_training_sizes(m, n):
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    _poison(2 * m * n)
+    q, q_t = quantize(x, scale=torch.tensor(50.0, device="cuda"), fp8_dtype=E4M3, transpose=True)
+    assert torch.equal(q.view(torch.uint8), quantize_reference(x, 50.0, E4M3).view(torch.uint8))
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
+    _poison(2 * m * n)
+    dq, dq_t, db = dbias_quantize(x, scale=torch.tensor(9.0, device="cuda"), fp8_dtype=E5M2, transpose=True)
+    assert torch.equal(dq.view(torch.uint8), quantize_reference(x, 9.0, E5M2).view(torch.uint8))
+    assert torch.equal(dq_t.view(torch.uint8), dq.view(torch.uint8).t())
+
+
+# -- torch._scaled_mm: exactly what the modules rely on --------------------------------------------
+
+
+def _fp8(shape, dtype):
+    return (torch.randn(*shape, device="cuda") * 4).to(dtype)
+
+
+def _one():
+    return torch.ones((), device="cuda")
+
+
+def test_scaled_mm_layouts_the_modules_use():
+    m, k, n = 64, 96, 48
+    x, w_nk, w_kn = _fp8((m, k), E4M3), _fp8((n, k), E4M3), None
+    w_kn = w_nk.t().contiguous()
+    dy, dy_t = _fp8((m, n), E5M2), None
+    dy_t = dy.t().contiguous()
+    x_t = x.t().contiguous()
+    f = lambda t: t.float()  # noqa: E731
+    # forward: x (M, K) row-major @ W^T (K, N) column-major
+    out = torch._scaled_mm(x, w_nk.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.bfloat16)
+    torch.testing.assert_close(out.float(), (f(x) @ f(w_nk).t()).bfloat16().float(), rtol=1e-2, atol=1e-2)
+    # forward with the bias epilogue (bf16 bias, bf16 out)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out_b = torch._scaled_mm(x, w_nk.t(), scale_a=_one(), scale_b=_one(), bias=bias, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(out_b.float(), out.float() + bias.float(), rtol=1e-2, atol=5e-2)
+    # dgrad: dy (M, N) e5m2 row-major @ W (N, K) column-major (from the (K, N) copy)
+    dx = torch._scaled_mm(dy, w_kn.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.bfloat16)
+    torch.testing.assert_close(dx.float(), (f(dy) @ f(w_nk)).bfloat16().float(), rtol=1e-2, atol=1e-1)
+    # wgrad: dy^T (N, M) e5m2 row-major @ x (M, K) column-major, fp32 out (master weights)
+    dw = torch._scaled_mm(dy_t, x_t.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.float32)
+    torch.testing.assert_close(dw, f(dy).t() @ f(x), rtol=1e-4, atol=1e-3)
+    # wgrad of a (K, N) Conv1D weight: x^T (K, M) e4m3 row-major @ dy (M, N) column-major
+    dw_kn = torch._scaled_mm(x_t, dy_t.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.float32)
+    torch.testing.assert_close(dw_kn, f(x).t() @ f(dy), rtol=1e-4, atol=1e-3)
+
+
+def test_scaled_mm_requirements():
+    """What the modules' eligibility rules and padding are based on."""
+    k, n = 32, 48
+    w = _fp8((n, k), E4M3)
+    # Rows of the first operand need not be a multiple of 16.
+    torch._scaled_mm(_fp8((17, k), E4M3), w.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.bfloat16)
+    # The contraction dimension must be (wgrad contracts over tokens: the modules pad it).
+    with pytest.raises(RuntimeError):
+        torch._scaled_mm(_fp8((16, 24), E4M3), _fp8((n, 24), E4M3).t(), scale_a=_one(), scale_b=_one(),
+                         out_dtype=torch.bfloat16)
+    # So must the output columns.
+    with pytest.raises(RuntimeError):
+        torch._scaled_mm(_fp8((16, k), E4M3), _fp8((24, k), E4M3).t(), scale_a=_one(), scale_b=_one(),
+                         out_dtype=torch.bfloat16)
+    # e5m2 x e5m2 is rejected by cuBLAS (the modules never pair two gradients).
+    with pytest.raises(RuntimeError):
+        torch._scaled_mm(_fp8((16, k), E5M2), _fp8((n, k), E5M2).t(), scale_a=_one(), scale_b=_one(),
+                         out_dtype=torch.bfloat16)
+    # The second operand must be column-major.
+    with pytest.raises(RuntimeError):
+        torch._scaled_mm(_fp8((16, k), E4M3), _fp8((k, n), E4M3), scale_a=_one(), scale_b=_one(),
+                         out_dtype=torch.bfloat16)
+
+
+# -- the modules' FP8 path --------------------------------------------------------------------------
+
+
+class _Conv1D(nn.Module):
+    """HF's Conv1D layout ((in, out) weight), defined here so the test does not need transformers."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * nx ** -0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+def _reference_grads(linear, activation, x, dy):
+    """float64 forward/backward of the original layer."""
+    w = linear.weight.detach().double().requires_grad_()
+    b = linear.bias.detach().double().requires_grad_() if linear.bias is not None else None
+    xr = x.detach().double().requires_grad_()
+    wt = w if isinstance(linear, _Conv1D) else w.t()
+    h = xr @ wt + (b if b is not None else 0)
+    y = h if activation is None else {
+        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+        "relu": torch.relu, "gelu": torch.nn.functional.gelu}[activation](h)
+    y.backward(dy.double())
+    return y.detach(), xr.grad, w.grad, (b.grad if b is not None else None)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu", None])
+@pytest.mark.parametrize("tokens", [2048, 1000])
+def test_fp8_module_gradients(recipe, layout, activation, tokens):
+    torch.manual_seed(0)
+    k, n = 256, 512
+    linear = (nn.Linear(k, n) if layout == "linear" else _Conv1D(n, k)).cuda()
+    module = (FusedLinearBiasActivation(linear, activation) if activation else FP8Linear(linear)).cuda()
+    state = FP8ScalingState()
+    module.bind_fp8_state(state, "layer")
+    x = torch.randn(2, tokens // 2, k, device="cuda", requires_grad=True)
+    dy = torch.randn(2, tokens // 2, n, device="cuda")
+    for _ in range(3):  # delayed scaling needs a step to learn its scales
+        x.grad = None
+        linear.weight.grad = linear.bias.grad = None
+        with fp8_autocast(recipe), torch.autocast("cuda", dtype=torch.bfloat16):
+            y = module(x)
+        y.backward(dy.bfloat16())
+    y_ref, dx_ref, dw_ref, db_ref = _reference_grads(linear, activation, x, dy.bfloat16().float())
+    assert y.dtype == torch.bfloat16
+    assert sqnr_db(y.float(), y_ref) >= 20
+    assert sqnr_db(x.grad, dx_ref) >= 20
+    assert sqnr_db(linear.weight.grad, dw_ref) >= 20
+    assert sqnr_db(linear.bias.grad, db_ref) >= 20
+    assert linear.weight.grad.dtype == torch.float32
+
+
+def test_fp8_module_bf16_weights_frozen_bias_and_empty_batch():
+    linear = nn.Linear(128, 256).cuda().bfloat16()
+    linear.bias.requires_grad_(False)
+    module = FusedLinearBiasActivation(linear, "gelu_tanh")
+    module.bind_fp8_state(FP8ScalingState(), "fc")
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with fp8_autocast():
+        y = module(x)
+        empty = module(torch.randn(0, 128, device="cuda", dtype=torch.bfloat16))
+    y.sum().backward()
+    assert empty.shape == (0, 256)
+    assert linear.weight.grad.dtype == torch.bfloat16 and linear.bias.grad is None
+    assert torch.isfinite(x.grad).all()
+
+
+def test_weight_fp8_copy_is_reused_until_the_weight_changes():
+    linear = nn.Linear(128, 256).cuda()
+    module = FusedLinearBiasActivation(linear, "gelu_tanh")
+    state = FP8ScalingState()
+    module.bind_fp8_state(state, "fc")
+    x = torch.randn(64, 128, device="cuda")
+    with fp8_autocast(update_scales=False):
+        module(x)
+        first = module._weight_cache[1][0]
+        module(x)  # another micro-batch: same copy
+        assert module._weight_cache[1][0] is first
+        with torch.no_grad():
+            linear.weight.add_(1.0)  # an optimizer step
+        module(x)
+        assert module._weight_cache[1][0] is not first
+
+
+def test_torch_compile_has_no_graph_break_inside_the_module():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(approximate="tanh"), nn.Linear(1024, 256)).cuda()
+    state = FP8ScalingState()
+    fc = FusedLinearBiasActivation(mlp[0], "gelu_tanh")
+    proj = FP8Linear(mlp[2])
+    fc.bind_fp8_state(state, "0")
+    proj.bind_fp8_state(state, "2")
+    fused = nn.Sequential(fc, proj).cuda()
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    compiled = torch.compile(fused, fullgraph=True)
+    for _ in range(3):
+        with fp8_autocast(), torch.autocast("cuda", dtype=torch.bfloat16):
+            y_eager = fused(x)
+            y_compiled = compiled(x)
+        y_compiled.float().sum().backward()
+    assert sqnr_db(y_compiled.float(), y_eager.float()) >= 30
+    assert torch.isfinite(x.grad).all()

@@ -1,0 +1,285 @@
+"""The fused modules on CPU: the high-precision path against PyTorch, the FP8 path emulated
+(``emulate=True``: the kernels under the Triton interpreter, ``torch._scaled_mm`` on CPU) against
+float64, and the delayed-scaling state machine (history roll, margin, non-finite amax)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fp8_checks import sqnr_db
+from lightning_fuse import (
+    CurrentScaling,
+    DelayedScaling,
+    FP8Linear,
+    FP8ScalingState,
+    FusedLinearBiasActivation,
+    fp8_autocast,
+)
+from lightning_fuse.kernels import ACTIVATIONS, activation_reference
+
+
+class Conv1D(nn.Module):
+    """HF's Conv1D ((in, out) weight), as transformers defines it."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * nx ** -0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+def _bound(module, name="layer"):
+    state = FP8ScalingState()
+    module.bind_fp8_state(state, name)
+    return module, state
+
+
+def _clone_linear(linear):
+    twin = Conv1D(linear.nf, linear.weight.shape[0]) if isinstance(linear, Conv1D) else \
+        nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+    twin.load_state_dict(linear.state_dict())
+    return twin
+
+
+def _run(module, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = module(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+# -- high precision: exactly PyTorch ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_high_precision_matches_pytorch(activation, layout, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40, bias=bias) if layout == "linear" else Conv1D(40, 24)
+    reference = _clone_linear(linear)
+    fused, _ = _bound(FusedLinearBiasActivation(linear, activation))
+    x = torch.randn(3, 7, 24)
+    dy = torch.randn(3, 7, 40)
+    y, dx = _run(fused, x, dy)
+    y_ref, dx_ref = _run(lambda t: activation_reference(reference(t), activation), x, dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(linear.weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(linear.bias.grad, reference.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_holds_the_original_parameters():
+    linear = nn.Linear(16, 32)
+    fused = FusedLinearBiasActivation(linear, "gelu")
+    assert fused.weight is linear.weight and fused.bias is linear.bias
+    assert dict(fused.state_dict()).keys() == dict(linear.state_dict()).keys()
+    conv = Conv1D(32, 16)
+    plain = FP8Linear(conv)
+    assert plain.weight is conv.weight and plain.weight_is_in_out and plain.out_features == 32
+    assert fused.to_original() is linear
+
+
+def test_wrong_input_width_is_reported_like_nn_linear():
+    fused = FusedLinearBiasActivation(nn.Linear(16, 32), "relu")
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(6x15 and 16x32\)"):
+        fused(torch.randn(2, 3, 15))
+    with pytest.raises(ValueError, match="`activation` must be one of"):
+        FusedLinearBiasActivation(nn.Linear(16, 32), "tanh")
+    with pytest.raises(TypeError, match="expected nn.Linear or transformers' Conv1D; got Conv2d"):
+        FP8Linear(nn.Conv2d(3, 3, 1))
+
+
+def test_eval_no_grad_and_empty_batch():
+    fused, _ = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "silu"))
+    fused.eval()
+    with torch.no_grad():
+        assert fused(torch.randn(5, 16)).shape == (5, 32)
+    assert fused(torch.randn(0, 16)).shape == (0, 32)
+
+
+def test_frozen_weight_and_bias():
+    linear = nn.Linear(16, 32)
+    linear.weight.requires_grad_(False)
+    fused, _ = _bound(FusedLinearBiasActivation(linear, "gelu_tanh", emulate=True))
+    x = torch.randn(16, 16, requires_grad=True)
+    with fp8_autocast():
+        y = fused(x)
+    y.sum().backward()
+    assert linear.weight.grad is None and linear.bias.grad is not None and x.grad is not None
+
+
+# -- FP8 path, emulated on CPU ------------------------------------------------------------------
+
+
+def _reference64(linear, activation, x, dy):
+    w = linear.weight.detach().double().requires_grad_()
+    b = linear.bias.detach().double().requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    h = xr @ (w if isinstance(linear, Conv1D) else w.t()) + b
+    y = activation_reference(h, activation) if activation else h
+    y.backward(dy.double())
+    return y.detach(), xr.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=8), CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+# ReLU is left out on purpose: its 0/1 derivative flips wherever FP8 rounding moves a pre-activation
+# across zero, which no quantizer avoids; smooth activations measure the quantization itself.
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu", None])
+def test_emulated_fp8_gradients(recipe, layout, activation):
+    torch.manual_seed(1)
+    linear = nn.Linear(32, 48) if layout == "linear" else Conv1D(48, 32)
+    module = FusedLinearBiasActivation(linear, activation, emulate=True) if activation else \
+        FP8Linear(linear, emulate=True)
+    _bound(module)
+    x = torch.randn(2, 24, 32)  # 48 tokens: the wgrad GEMM needs no padding
+    dy = torch.randn(2, 24, 48)
+    for _ in range(2):  # delayed scaling learns its scales in the first step
+        linear.weight.grad = linear.bias.grad = None
+        with fp8_autocast(recipe):
+            y, dx = _run(module, x, dy)
+    y_ref, dx_ref, dw_ref, db_ref = _reference64(linear, activation, x, dy)
+    assert sqnr_db(y, y_ref) >= 25
+    assert sqnr_db(dx, dx_ref) >= 20
+    assert sqnr_db(linear.weight.grad, dw_ref) >= 20
+    assert sqnr_db(linear.bias.grad, db_ref) >= 20
+
+
+def test_emulated_fp8_pads_the_token_dimension_of_wgrad():
+    torch.manual_seed(2)
+    linear = nn.Linear(32, 48)
+    module, _ = _bound(FusedLinearBiasActivation(linear, "gelu", emulate=True))
+    x, dy = torch.randn(37, 32), torch.randn(37, 48)  # 37 tokens
+    with fp8_autocast(CurrentScaling()):
+        _run(module, x, dy)
+    _, _, dw_ref, _ = _reference64(linear, "gelu", x, dy)
+    assert sqnr_db(linear.weight.grad, dw_ref) >= 20
+
+
+def test_emulated_fp8_under_bf16_autocast_with_checkpointing():
+    torch.manual_seed(3)
+    linear = nn.Linear(32, 64)
+    module, _ = _bound(FusedLinearBiasActivation(linear, "gelu_tanh", emulate=True))
+    x = torch.randn(32, 32, requires_grad=True)
+    with fp8_autocast(CurrentScaling()), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = checkpoint(module, x, use_reentrant=False)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    _, dx_ref, dw_ref, _ = _reference64(linear, "gelu_tanh", x, torch.ones(32, 64))
+    assert sqnr_db(x.grad, dx_ref) >= 20 and sqnr_db(linear.weight.grad, dw_ref) >= 20
+
+
+def test_fp8_on_cpu_without_emulate_falls_back_with_one_warning():
+    fused, _ = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "gelu"))
+    from lightning_fuse import modules
+
+    modules._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fp8_autocast():
+            fused(torch.randn(4, 16))
+            fused(torch.randn(4, 16))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "FP8 GEMMs need a CUDA GPU; the input is on cpu" in messages[0]
+
+
+def test_shape_ineligible_for_scaled_mm_falls_back_naming_the_dims():
+    fused, _ = _bound(FusedLinearBiasActivation(nn.Linear(20, 32), "gelu", emulate=True), "mlp.fc")
+    assert fused.fp8_reason.startswith("in_features=20 not a multiple of 16")
+    with pytest.warns(UserWarning, match=r"mlp.fc: running in high precision: in_features=20"):
+        with fp8_autocast():
+            fused(torch.randn(4, 20))
+
+
+# -- delayed scaling state ----------------------------------------------------------------------
+
+
+def _step(module, x, recipe, scale_grad=1.0):
+    with fp8_autocast(recipe):
+        y = module(x)
+    (y * scale_grad).sum().backward()
+
+
+def test_history_rolls_and_scales_follow_the_recipe():
+    torch.manual_seed(4)
+    module, state = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "relu", emulate=True))
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo="max", margin=1)
+    x_big, x_small = torch.randn(16, 16) * 8, torch.randn(16, 16)
+    _step(module, x_big, recipe)
+    hist = state.groups["forward"].history
+    assert hist.shape == (3, 2) and torch.all(hist[0] == 0)
+    # The first update used amax(x_big): scale = 448 / amax / 2**margin.
+    assert state.groups["forward"].scale[0].item() == pytest.approx(448 / x_big.abs().max().item() / 2, rel=1e-6)
+    for _ in range(3):
+        _step(module, x_small, recipe)
+    # After 3 more steps the big input has left the 3-step history.
+    assert state.groups["forward"].scale[0].item() == pytest.approx(448 / x_small.abs().max().item() / 2, rel=1e-6)
+    assert state.groups["backward"].scale[0].item() != 1.0
+
+
+def test_most_recent_amax():
+    module, state = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "relu", emulate=True))
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+    x1, x2 = torch.randn(16, 16) * 8, torch.randn(16, 16)
+    _step(module, x1, recipe)
+    _step(module, x2, recipe)
+    assert state.groups["forward"].scale[0].item() == pytest.approx(448 / x2.abs().max().item(), rel=1e-6)
+
+
+def test_non_finite_amax_keeps_the_previous_scale_and_is_counted():
+    module, state = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True))
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(16, 16)
+    _step(module, x, recipe)
+    # Each context exit consumes the gradient amax of the backward before it: this step's exit
+    # sets the gradient scale from step 1, then its backward records a NaN.
+    _step(module, x, recipe, scale_grad=float("nan"))
+    grad_scale = state.groups["backward"].scale.clone()
+    assert grad_scale.item() != 1.0
+    _step(module, x, recipe)  # consumes the NaN step's gradient amax
+    assert torch.equal(state.groups["backward"].scale, grad_scale)
+    assert state.stats()["nonfinite_amax"] == 1
+    # The non-finite entry does not linger in the history.
+    assert torch.isfinite(state.groups["backward"].history).all()
+
+
+def test_state_dict_round_trip():
+    module, state = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True), "fc")
+    recipe = DelayedScaling(amax_history_len=4)
+    for _ in range(2):
+        _step(module, torch.randn(16, 16), recipe)
+    saved = state.state_dict()
+    restored = FP8ScalingState()
+    restored.register("fc")
+    restored.load_state_dict(saved)
+    restored.ensure(4, torch.device("cpu"))
+    for group in ("forward", "backward"):
+        for key, value in state.groups[group].tensors().items():
+            assert torch.equal(restored.groups[group].tensors()[key], value)
+    other = FP8ScalingState()
+    other.register("proj")
+    with pytest.raises(ValueError, match=r"saved for modules \['fc'\] but this model has \['proj'\]"):
+        other.load_state_dict(saved)
+
+
+def test_recipes_validate_their_fields():
+    with pytest.raises(ValueError, match="`fp8_format` must be one of hybrid, e4m3; got 'e5m2'"):
+        DelayedScaling(fp8_format="e5m2")
+    with pytest.raises(ValueError, match="`amax_compute_algo` must be one of max, most_recent"):
+        DelayedScaling(amax_compute_algo="mean")
+    with pytest.raises(ValueError, match="`margin` must be a non-negative int"):
+        CurrentScaling(margin=-1)
+    assert DelayedScaling(fp8_format="e4m3").backward_dtype == torch.float8_e4m3fn
+    assert math.isclose(1.0, 1.0)

@@ -1,0 +1,336 @@
+"""``FusedBackwardCallback``: swap chains at setup, measure them on the real shapes, keep what is
+faster, run FP8 during training and log its health."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Literal, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from .autocast import fp8_autocast
+from .config import FuseConfig, make_fuse_config
+from .fuse import FuseReport, fp8_state_of, fuse_
+from .modules import _FP8LinearBase
+from .recipe import DelayedScaling, Recipe, make_recipe
+from .scaling import FP8ScalingState
+from .speed import measure, shape_key
+
+__all__ = ["FusedBackwardCallback"]
+
+_BENCHMARK_MODES = ("off", "log", "auto")
+_DEFAULT_TOKENS = 4096
+
+
+class FusedBackwardCallback(Callback):
+    r"""Swaps ``Linear -> bias -> activation`` chains for FP8 modules with a one-kernel fused backward.
+
+    - ``setup``: finds and swaps chains before the strategy wraps the model and builds optimizers
+      (after ``configure_model`` when the LightningModule builds its layers there), and prints a table.
+    - First training batch (or ``on_fit_start`` when ``benchmark_tokens`` is given): each distinct
+      swapped shape is timed, original vs fused, forward + backward, on the real device and dtypes
+      with the batch's token count; ``fuse/speedup/<name>``, ``fuse/speedup_mean`` and
+      ``fuse/chains_fused`` go to the Trainer's loggers. With ``benchmark="auto"``, modules that
+      measured slower go back to the original computation, so the callback never makes a model
+      slower. Rank 0 measures and decides; the decision is broadcast.
+    - Training: the recipe is active for each training step's forward and backward (and for
+      validation, test and predict with ``fp8_eval``); delayed scales update once per optimizer step,
+      after gradient accumulation; every ``log_every_n_steps`` optimizer steps ``fuse/nonfinite_amax``,
+      ``fuse/scale_min``, ``fuse/scale_max`` and ``fuse/step_time_ms`` are logged.
+    - ``state_dict``: the FP8 state (amax histories, scales, counters) and the benchmark decisions,
+      so a resumed run continues with the same scales; the model's own ``state_dict`` stays the plain
+      model's.
+
+    Args:
+        recipe: ``"delayed"`` (default), ``"current"``, a ``DelayedScaling``/``CurrentScaling``, a
+            mapping of a recipe's fields, or ``None`` (no FP8: fused high-precision backward only).
+        benchmark: ``"auto"`` (measure, log, revert what is slower), ``"log"`` (measure and log only)
+            or ``"off"``.
+        log_every_n_steps: optimizer steps between FP8 health logs.
+        benchmark_tokens: tokens to time each shape with, measured at ``on_fit_start``; ``None``
+            takes the real count from the first training batch (4096 for a module it did not run).
+        fp8_eval: run validation, test and predict under the recipe too.
+        module_filter_fn: ``(module, fqn) -> bool``; a linear is swapped only where it returns ``True``.
+        **fuse_config: ``FuseConfig`` fields (``convert``, ``activations``, ``exclude``, ``emulate``).
+
+    Raises:
+        ValueError: an unknown argument (the message lists the valid ones) or a bad value.
+        TypeError: an argument of the wrong type.
+
+    Example::
+
+        trainer = Trainer(precision="bf16-mixed",
+                          callbacks=[FusedBackwardCallback(recipe="delayed", convert="mlp")])
+        trainer.fit(model)
+    """
+
+    def __init__(
+        self,
+        *,
+        recipe: Any = "delayed",
+        benchmark: Literal["off", "log", "auto"] = "auto",
+        log_every_n_steps: int = 50,
+        benchmark_tokens: Optional[int] = None,
+        fp8_eval: bool = True,
+        module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+        **fuse_config: Any,
+    ) -> None:
+        own = ("recipe", "benchmark", "log_every_n_steps", "benchmark_tokens", "fp8_eval", "module_filter_fn")
+        try:
+            self.fuse_config: FuseConfig = make_fuse_config(fuse_config)
+        except ValueError as err:
+            if "unknown FuseConfig key" not in str(err):
+                raise
+            unknown = sorted(fuse_config.keys() - FuseConfig.__dataclass_fields__.keys())
+            valid = sorted(own + tuple(FuseConfig.__dataclass_fields__))
+            raise ValueError(f"FusedBackwardCallback got unknown argument(s) {unknown}; valid arguments: "
+                             f"{', '.join(valid)}") from err
+        if benchmark not in _BENCHMARK_MODES:
+            raise ValueError(f"`benchmark` must be one of {', '.join(_BENCHMARK_MODES)}; got {benchmark!r}")
+        if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
+            raise ValueError(f"`log_every_n_steps` must be a positive int; got {log_every_n_steps!r}")
+        if benchmark_tokens is not None and (not isinstance(benchmark_tokens, int) or benchmark_tokens < 1):
+            raise ValueError(f"`benchmark_tokens` must be a positive int or None; got {benchmark_tokens!r}")
+        if module_filter_fn is not None and not callable(module_filter_fn):
+            raise TypeError(f"`module_filter_fn` must be callable (module, fqn) -> bool; got {module_filter_fn!r}")
+        self.recipe: Optional[Recipe] = make_recipe(recipe) if recipe is not None else None
+        self.benchmark = benchmark
+        self.log_every_n_steps = log_every_n_steps
+        self.benchmark_tokens = benchmark_tokens
+        self.fp8_eval = bool(fp8_eval)
+        self.module_filter_fn = module_filter_fn
+
+        self.report: Optional[FuseReport] = None
+        self.state: Optional[FP8ScalingState] = None
+        self.speedups: dict[str, float] = {}  # module fqn -> original time / fused time
+        self.decisions: dict[str, bool] = {}  # module fqn -> kept fused
+        self._modules: dict[str, _FP8LinearBase] = {}
+        self._loaded: Optional[dict[str, Any]] = None
+        self._context: Optional[contextlib.ExitStack] = None
+        self._capture: dict[str, tuple[int, torch.dtype]] = {}
+        self._capture_handles: list = []
+        self._last_update_step = -1
+        self._steps_since_log = 0
+        self._log_clock = time.perf_counter()
+
+    # -- setup: swap ------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.report is not None:
+            return
+        if is_overridden("configure_model", pl_module):
+            # The layers do not exist yet: swap right after the module builds them, still before the
+            # strategy wraps it and the optimizers are made.
+            build = pl_module.configure_model
+
+            def configure_model_then_fuse() -> None:
+                build()
+                del pl_module.configure_model
+                self._fuse(pl_module)
+
+            pl_module.configure_model = configure_model_then_fuse
+        else:
+            self._fuse(pl_module)
+
+    def _fuse(self, pl_module: LightningModule) -> None:
+        self.report = fuse_(pl_module, self.fuse_config, module_filter_fn=self.module_filter_fn)
+        self.state = fp8_state_of(pl_module)
+        self._modules = {name: m for name, m in pl_module.named_modules() if isinstance(m, _FP8LinearBase)}
+        if self._loaded is not None:
+            self._apply_loaded(self._loaded)
+            self._loaded = None
+        self._print_table()
+
+    # -- measuring --------------------------------------------------------------------------------
+
+    def _should_measure(self) -> bool:
+        return self.benchmark != "off" and bool(self._modules) and not self.speedups
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._should_measure() and self.benchmark_tokens is not None:
+            self._measure(trainer, {})
+
+    def _start_capture(self) -> None:
+        def hook(name: str):
+            def record(module: nn.Module, args: tuple) -> None:
+                if args and isinstance(args[0], torch.Tensor) and name not in self._capture:
+                    x = args[0]
+                    self._capture[name] = (x.numel() // max(1, x.shape[-1]), x.dtype)
+            return record
+        self._capture_handles = [m.register_forward_pre_hook(hook(name)) for name, m in self._modules.items()]
+
+    def _measure(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype]]) -> None:
+        decisions: Optional[dict[str, Any]] = None
+        if trainer.is_global_zero:
+            decisions = self._measure_here(trainer, captured)
+        decisions = trainer.strategy.broadcast(decisions, src=0)
+        self.speedups = dict(decisions["speedups"])
+        self.decisions = dict(decisions["fused"])
+        self._apply_decisions()
+        metrics = {f"fuse/speedup/{name}": value for name, value in self.speedups.items()}
+        if self.speedups:
+            metrics["fuse/speedup_mean"] = sum(self.speedups.values()) / len(self.speedups)
+        metrics["fuse/chains_fused"] = float(sum(
+            1 for name, m in self._modules.items() if m.activation and self.decisions.get(name, True)))
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        self._print_table()
+
+    def _measure_here(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype]]) -> dict[str, Any]:
+        device = trainer.strategy.root_device
+        by_shape: dict = {}
+        for name, module in self._modules.items():
+            tokens, dtype = captured.get(name, (self.benchmark_tokens or _DEFAULT_TOKENS, module.weight.dtype))
+            by_shape.setdefault(shape_key(module, max(1, tokens), dtype), []).append(name)
+        speedups: dict[str, float] = {}
+        for key, names in by_shape.items():
+            original_ms, fused_ms = measure(key, device, self.recipe, emulate=self.fuse_config.emulate,
+                                            precision_context=trainer.precision_plugin.forward_context)
+            for name in names:
+                speedups[name] = original_ms / fused_ms
+        keep = {name: (self.benchmark != "auto" or speedups[name] >= 1.0) for name in speedups}
+        return {"speedups": speedups, "fused": keep}
+
+    def _apply_decisions(self) -> None:
+        for name, module in self._modules.items():
+            module.fused = self.decisions.get(name, True)
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def _enter(self) -> None:
+        self._exit()
+        if self.state is None:
+            return
+        self._context = contextlib.ExitStack()
+        self._context.enter_context(fp8_autocast(self.recipe, enabled=self.recipe is not None, update_scales=False))
+
+    def _exit(self) -> None:
+        if self._context is not None:
+            self._context.close()
+            self._context = None
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._should_measure() and not self._capture_handles:
+            self._start_capture()
+        self._enter()
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._exit()
+        if self._capture_handles:
+            for handle in self._capture_handles:
+                handle.remove()
+            self._capture_handles = []
+            self._measure(trainer, self._capture)
+        self._steps_since_log += 1
+        stepped = self._last_update_step == trainer.global_step - 1
+        if stepped and trainer.global_step % self.log_every_n_steps == 0:
+            self._log_health(trainer)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Once per optimizer step, after every accumulated micro-batch's backward.
+        if self._last_update_step == trainer.global_step:
+            return
+        self._last_update_step = trainer.global_step
+        if self.state is not None and isinstance(self.recipe, DelayedScaling) and self.state.groups:
+            self.state.update(self.recipe)
+
+    def _log_health(self, trainer: Trainer) -> None:
+        now = time.perf_counter()
+        metrics = {"fuse/step_time_ms": (now - self._log_clock) * 1e3 / max(1, self._steps_since_log)}
+        self._log_clock, self._steps_since_log = now, 0
+        if self.state is not None:
+            stats = self.state.stats()
+            metrics.update({f"fuse/{key}": value for key, value in stats.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _eval_start(self, *args: Any) -> None:
+        if self.fp8_eval:
+            self._enter()
+
+    def _eval_end(self, *args: Any) -> None:
+        self._exit()
+
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_start
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_end
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._exit()
+        for handle in self._capture_handles:
+            handle.remove()
+        self._capture_handles = []
+
+    # -- checkpointing ----------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "fp8_state": self.state.state_dict() if self.state is not None else None,
+            "speedups": dict(self.speedups),
+            "decisions": dict(self.decisions),
+            "recipe": asdict(self.recipe) if self.recipe is not None else None,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.report is None:
+            self._loaded = dict(state_dict)
+        else:
+            self._apply_loaded(state_dict)
+
+    def _apply_loaded(self, state_dict: dict[str, Any]) -> None:
+        if self.state is not None and state_dict.get("fp8_state") is not None:
+            self.state.load_state_dict(state_dict["fp8_state"])
+        self.speedups = dict(state_dict.get("speedups", {}))
+        self.decisions = dict(state_dict.get("decisions", {}))
+        self._apply_decisions()
+
+    # -- the table --------------------------------------------------------------------------------
+
+    def _print_table(self) -> None:
+        if self.report is None:
+            return
+        if not self.report.chains and not self.report.linears:
+            rank_zero_warn("FusedBackwardCallback: no Linear -> activation chain found; training runs unchanged")
+            return
+        rank_zero_info(self.table())
+
+    def table(self) -> str:
+        """Name, shape, activation, FP8 or fallback, reason, and the measured speedup per module."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="lightning-fuse", title_justify="left")
+        for column in ("name", "shape", "activation", "path", "speedup", "reason"):
+            table.add_column(column)
+        entries = [(c.name, c.in_features, c.out_features, c.activation, c.fused, c.fp8, c.reason or c.fp8_reason)
+                   for c in self.report.chains]
+        entries += [(lin.name, lin.in_features, lin.out_features, "-", lin.fused, lin.fp8,
+                     lin.reason or lin.fp8_reason) for lin in self.report.linears]
+        for name, fan_in, fan_out, activation, swapped, fp8, reason in entries:
+            if not swapped:
+                path = "unchanged"
+            elif not self.decisions.get(name, True):
+                path = "reverted (slower)"
+            else:
+                path = ("FP8" if fp8 and self.recipe is not None else "fused, high precision")
+            speedup = f"{self.speedups[name]:.2f}x" if name in self.speedups else "-"
+            table.add_row(name, f"{fan_in} -> {fan_out}", activation, path, speedup, reason)
+        console = Console(width=160)
+        with console.capture() as capture:
+            console.print(table)
+        return capture.get()

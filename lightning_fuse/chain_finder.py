@@ -1,0 +1,387 @@
+"""Finding ``Linear -> activation`` chains in any model, in execution order.
+
+For every module that has a linear-like child (directly, or inside a ``ModuleList``/``ModuleDict``
+child), the order of calls is read from:
+
+- the ``nn.Sequential`` itself, when the module is a plain ``nn.Sequential``;
+- otherwise its ``forward``, traced with ``torch.fx`` with those children as leaves (the module's
+  registration order says nothing about the order its forward calls them in).
+
+A chain is a linear whose output has exactly one user, an activation: an activation module child
+(``nn.GELU``, ``nn.ReLU``, ``nn.SiLU``, transformers' activation classes), a functional call
+(``F.gelu(x, approximate=...)``, ``F.relu``, ``torch.relu``, ``F.silu``) or ``x.relu()``. Near
+misses (a Dropout in between, the linear's output used twice, an activation module or a linear
+called at two places, extra arguments, a forward that depends on ``self.training``) are returned
+with the reason they cannot be fused; a forward that cannot be traced is returned as skipped.
+Nothing here changes the model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from .modules import is_linear_like
+
+__all__ = ["Chain", "ChainSearch", "SkippedModule", "activation_of_module", "find_chains"]
+
+# transformers' activation classes, matched by name (transformers is not a dependency). GELUActivation
+# is exact GELU whether it calls F.gelu or its erf formula (use_gelu_python); the tanh formulas
+# (NewGELU, FastGELU, AccurateGELU, GELUTanh's python variant) are GELU's tanh approximation.
+_HF_ACTIVATIONS = {
+    "GELUActivation": "gelu",
+    "NewGELUActivation": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "AccurateGELUActivation": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "QuickGELUActivation": "quick_gelu",
+    "ReLUSquaredActivation": "squared_relu",
+    "SiLUActivation": "silu",
+}
+
+# Functional activations: the name, and the keyword arguments each accepts (positional extras map
+# onto them in this order) with a check of their value.
+_GELU_APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
+_FUNCTIONAL: dict[Callable[..., Any], tuple[str, tuple[str, ...]]] = {
+    F.gelu: ("gelu", ("approximate",)),
+    F.relu: ("relu", ("inplace",)),
+    torch.relu: ("relu", ()),
+    F.silu: ("silu", ("inplace",)),
+}
+_FUNCTIONAL_LABELS = {F.gelu: "F.gelu", F.relu: "F.relu", torch.relu: "torch.relu", F.silu: "F.silu"}
+_DROPOUT_FUNCTIONS = (F.dropout, torch.dropout, F.alpha_dropout)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One ``linear -> activation`` pair, fusable when ``reason`` is empty."""
+
+    parent: str  # fqn of the module whose forward (or Sequential order) links the two ("" for the root)
+    linear: str  # fqn of the linear-like module
+    activation: str  # activation name ("gelu", "gelu_tanh", ...); "" when it cannot be told
+    act_module: Optional[str]  # fqn of the activation module; None for a functional call
+    act_node: Optional[str]  # name of the functional call's node in the parent's fx graph; None otherwise
+    consumer: Optional[str]  # fqn of the linear that alone consumes the activation's output, if any
+    reason: str = ""  # "" when the chain can be fused, else why it is left alone
+
+
+@dataclass(frozen=True)
+class SkippedModule:
+    """A module with linear children whose call order could not be read."""
+
+    name: str  # fqn of the module
+    reason: str  # why (the tracing error, in short)
+
+
+@dataclass
+class ChainSearch:
+    """Everything ``find_chains`` found, in the model's ``named_modules()`` order."""
+
+    chains: list[Chain] = field(default_factory=list)  # fusable chains and near misses
+    skipped: list[SkippedModule] = field(default_factory=list)  # modules whose forward could not be traced
+    graphs: dict[str, fx.Graph] = field(default_factory=dict)  # parent fqn -> its traced forward (functional chains)
+
+
+def activation_of_module(module: nn.Module) -> Optional[str]:
+    """The activation name computed by ``module``, or ``None`` if it is not a known activation."""
+    cls = type(module)
+    if isinstance(module, nn.GELU) and cls.forward is nn.GELU.forward:
+        return _GELU_APPROXIMATIONS.get(module.approximate)
+    if isinstance(module, nn.ReLU) and cls.forward is nn.ReLU.forward:
+        return "relu"
+    if isinstance(module, nn.SiLU) and cls.forward is nn.SiLU.forward:
+        return "silu"
+    if cls.__module__.startswith("transformers.") and cls.__name__ in _HF_ACTIVATIONS:
+        return _HF_ACTIVATIONS[cls.__name__]
+    return None
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _leaf_children(module: nn.Module) -> dict[str, nn.Module]:
+    """Path -> module of the direct children, looking through ``ModuleList``/``ModuleDict`` children."""
+    leaves: dict[str, nn.Module] = {}
+
+    def walk(owner: nn.Module, prefix: str) -> None:
+        for name, child in owner.named_children():
+            path = prefix + name
+            leaves.setdefault(path, child)
+            if isinstance(child, _CONTAINERS):
+                walk(child, path + ".")
+
+    walk(module, "")
+    return leaves
+
+
+class _ChildLeafTracer(fx.Tracer):
+    """Records calls of the given modules as ``call_module`` nodes and traces through everything else."""
+
+    def __init__(self, leaves: set[int]) -> None:
+        super().__init__()
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return id(m) in self._leaves
+
+
+@dataclass(frozen=True)
+class _ActivationUse:
+    name: str  # activation name, "" when it cannot be told
+    problem: str  # "" or why this call cannot be fused
+    module: Optional[str]  # path of the activation module (relative to the parent), None when functional
+
+
+def _functional_use(node: fx.Node) -> Optional[_ActivationUse]:
+    """The activation of a functional call whose first argument is the linear's output."""
+    name, keywords = _FUNCTIONAL[node.target]
+    label = _FUNCTIONAL_LABELS[node.target]
+    extra_positional = node.args[1:]
+    if len(extra_positional) > len(keywords):
+        return _ActivationUse(name, f"{label} is called with {len(node.args)} positional arguments", None)
+    arguments = dict(zip(keywords, extra_positional))
+    arguments.update(node.kwargs)
+    unexpected = sorted(set(arguments) - set(keywords))
+    if unexpected:
+        return _ActivationUse(name, f"{label} is called with extra arguments {unexpected}", None)
+    for key, value in arguments.items():
+        if isinstance(value, fx.Node):
+            return _ActivationUse(name, f"{label}'s `{key}` is a tensor or computed value ({value.name}), "
+                                        "not a constant known when the forward is traced", None)
+        if key == "inplace" and not isinstance(value, bool):
+            return _ActivationUse(name, f"{label} has inplace={value!r}", None)
+    if node.target is F.gelu:
+        approximate = arguments.get("approximate", "none")
+        if approximate not in _GELU_APPROXIMATIONS:
+            return _ActivationUse("", f"F.gelu has approximate={approximate!r} (expected 'none' or 'tanh')", None)
+        name = _GELU_APPROXIMATIONS[approximate]
+    return _ActivationUse(name, "", None)
+
+
+def _activation_use(node: fx.Node, source: fx.Node, leaves: dict[str, nn.Module]) -> Optional[_ActivationUse]:
+    """How ``node`` applies an activation to ``source`` (its first argument), or ``None`` if it does not."""
+    if not node.args or node.args[0] is not source:
+        return None
+    if node.op == "call_module":
+        module = leaves.get(str(node.target))
+        name = activation_of_module(module) if module is not None else None
+        if name is None:
+            return None
+        target = str(node.target)
+        if len(node.args) > 1 or node.kwargs:
+            return _ActivationUse(name, f"the activation `{target}` is called with extra arguments", target)
+        if _has_hooks(module):
+            return _ActivationUse(name, f"the activation `{target}` has hooks, which fusing would drop", target)
+        return _ActivationUse(name, "", target)
+    if node.op == "call_function" and node.target in _FUNCTIONAL:
+        return _functional_use(node)
+    if node.op == "call_method" and node.target == "relu":
+        if len(node.args) > 1 or node.kwargs:
+            return _ActivationUse("relu", "Tensor.relu is called with extra arguments", None)
+        return _ActivationUse("relu", "", None)
+    return None
+
+
+def _is_dropout(node: fx.Node, leaves: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return isinstance(leaves.get(str(node.target)), nn.modules.dropout._DropoutNd)
+    return node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS
+
+
+def _is_passthrough(node: fx.Node, leaves: dict[str, nn.Module]) -> bool:
+    """A Dropout or ``nn.Identity``: what may sit between an MLP's activation and its output linear."""
+    if node.op == "call_module" and isinstance(leaves.get(str(node.target)), nn.Identity):
+        return True
+    return _is_dropout(node, leaves)
+
+
+def _consumer(node: fx.Node, leaves: dict[str, nn.Module], calls: Counter) -> Optional[str]:
+    """Path of the linear that alone consumes ``node`` (through Dropouts/Identities), or ``None``."""
+    current = node
+    while True:
+        users = list(current.users)
+        if len(users) != 1 or not users[0].args or users[0].args[0] is not current:
+            return None
+        user = users[0]
+        if _is_passthrough(user, leaves):
+            current = user
+            continue
+        if user.op == "call_module" and is_linear_like(leaves.get(str(user.target), nn.Identity())) \
+                and calls[user.target] == 1:
+            return str(user.target)
+        return None
+
+
+def _node_label(node: fx.Node) -> str:
+    if node.op in ("call_module", "call_method"):
+        return str(node.target)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return node.name
+
+
+def _chains_in_graph(graph: fx.Graph, leaves: dict[str, nn.Module], parent: str) -> list[Chain]:
+    calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
+    chains: list[Chain] = []
+    reported: set[str] = set()
+    for node in graph.nodes:
+        if node.op != "call_module" or not is_linear_like(leaves.get(str(node.target), nn.Identity())):
+            continue
+        target = str(node.target)
+        if target in reported:
+            continue
+        users = list(node.users)
+        uses = [(user, use) for user in users if (use := _activation_use(user, node, leaves)) is not None]
+        reason = ""
+        if not uses and len(users) == 1 and _is_dropout(users[0], leaves):
+            dropout = users[0]
+            uses = [(user, use) for user in dropout.users
+                    if (use := _activation_use(user, dropout, leaves)) is not None]
+            if not uses:
+                continue
+            reason = (f"a Dropout (`{_node_label(dropout)}`) sits between the linear and the activation: "
+                      "only a direct linear -> activation chain is fused")
+        if not uses:
+            continue
+        act_node, use = uses[0]
+        if not reason:
+            if calls[target] > 1:
+                where = f"`{parent}`'s forward" if parent else "the model's forward"
+                reason = f"`{target}` is called {calls[target]} times in {where}; only a linear called once is fused"
+            elif len(users) > 1:
+                names = ", ".join(_node_label(user) for user in users)
+                reason = (f"its output has {len(users)} users ({names}): the value before the activation "
+                          "is needed elsewhere, so it cannot be fused away")
+            elif use.problem:
+                reason = use.problem
+            elif use.module is not None and calls[use.module] > 1:
+                reason = (f"the activation module `{use.module}` is called at {calls[use.module]} places; "
+                          "replacing it would change the other calls")
+        reported.add(target)
+        chains.append(Chain(
+            parent=parent,
+            linear=_join(parent, target),
+            activation=use.name,
+            act_module=_join(parent, use.module) if use.module is not None else None,
+            act_node=act_node.name if use.module is None else None,
+            consumer=None if reason else _optional_join(parent, _consumer(act_node, leaves, calls)),
+            reason=reason,
+        ))
+    return chains
+
+
+def _optional_join(parent: str, path: Optional[str]) -> Optional[str]:
+    return _join(parent, path) if path is not None else None
+
+
+def _chains_in_sequential(seq: nn.Sequential, parent: str) -> list[Chain]:
+    items = list(seq._modules.items())
+    uses = Counter(id(module) for _, module in items)
+    chains: list[Chain] = []
+    for i, (key, module) in enumerate(items):
+        if not is_linear_like(module) or i + 1 >= len(items):
+            continue
+        next_key, next_module = items[i + 1]
+        act_key, act_index, reason = next_key, i + 1, ""
+        if isinstance(next_module, nn.modules.dropout._DropoutNd) and i + 2 < len(items):
+            act_key, act_index = items[i + 2][0], i + 2
+            reason = (f"a Dropout (`{next_key}`) sits between the linear and the activation: "
+                      "only a direct linear -> activation chain is fused")
+        act_module = items[act_index][1]
+        name = activation_of_module(act_module)
+        if name is None:
+            continue
+        if not reason:
+            if uses[id(module)] > 1:
+                reason = (f"`{key}` appears {uses[id(module)]} times in the Sequential; "
+                          "only a linear called once is fused")
+            elif uses[id(act_module)] > 1:
+                reason = (f"the activation module `{act_key}` appears {uses[id(act_module)]} times in the "
+                          "Sequential; replacing it would change the other calls")
+            elif _has_hooks(act_module):
+                reason = f"the activation `{act_key}` has hooks, which fusing would drop"
+        consumer = None
+        if not reason:
+            j = act_index + 1
+            while j < len(items) and isinstance(items[j][1], (nn.Identity, nn.modules.dropout._DropoutNd)):
+                j += 1
+            if j < len(items) and is_linear_like(items[j][1]) and uses[id(items[j][1])] == 1:
+                consumer = _join(parent, items[j][0])
+        chains.append(Chain(parent, _join(parent, key), name, _join(parent, act_key), None, consumer, reason))
+    return chains
+
+
+def _trace(module: nn.Module, leaves: dict[str, nn.Module], training: bool) -> fx.Graph:
+    was_training = module.training
+    module.training = training
+    try:
+        return _ChildLeafTracer({id(child) for child in leaves.values()}).trace(module)
+    finally:
+        module.training = was_training
+
+
+def _short(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
+
+
+def find_chains(model: nn.Module) -> ChainSearch:
+    """Every ``linear -> activation`` chain of ``model`` and every near miss (see the module docstring).
+
+    Never raises for a model it cannot read: such modules are listed in ``skipped``.
+    """
+    search = ChainSearch()
+    for parent, module in model.named_modules():
+        if isinstance(module, _CONTAINERS) or getattr(type(module), "forward", None) is nn.Module.forward:
+            continue  # no forward of its own: whoever calls its children is traced instead
+        leaves = _leaf_children(module)
+        if not any(is_linear_like(child) for child in leaves.values()):
+            continue
+        if type(module) is nn.Sequential or (isinstance(module, nn.Sequential)
+                                             and type(module).forward is nn.Sequential.forward):
+            search.chains.extend(_chains_in_sequential(module, parent))
+            continue
+        if "forward" in module.__dict__:
+            search.skipped.append(SkippedModule(
+                parent or type(module).__name__,
+                "its forward is replaced on the instance, so the class's forward (what torch.fx traces) "
+                "is not what runs"))
+            continue
+        try:
+            graph = _trace(module, leaves, module.training)
+        except Exception as err:  # any user forward may fail to trace; it is reported, never raised
+            search.skipped.append(SkippedModule(parent or type(module).__name__,
+                                                f"its forward cannot be traced by torch.fx ({_short(err)})"))
+            continue
+        chains = _chains_in_graph(graph, leaves, parent)
+        if not chains:
+            continue
+        try:
+            other = _trace(module, leaves, not module.training)
+            same = other.python_code("self").src == graph.python_code("self").src
+        except Exception:  # traceable in one mode only: the forward depends on self.training
+            same = False
+        if not same:
+            why = ("its forward traces differently in train and eval mode (it reads self.training), "
+                   "so the chain found in one mode may not exist in the other")
+            chains = [chain if chain.reason else
+                      Chain(chain.parent, chain.linear, chain.activation, chain.act_module, chain.act_node, None, why)
+                      for chain in chains]
+        search.chains.extend(chains)
+        search.graphs[parent] = graph
+    return search

@@ -1,0 +1,129 @@
+"""``FuseConfig``: what ``fuse_`` looks for and what it swaps (an OmegaConf structured config).
+
+``convert`` picks which linear layers are swapped:
+
+- ``"chains"``: only the linear of each ``Linear -> activation`` chain (``FusedLinearBiasActivation``);
+- ``"mlp"`` (default): also the linear that alone consumes a fused chain's activation output
+  (GPT-2's ``c_proj``), as an ``FP8Linear``, so a whole MLP block runs FP8;
+- ``"all"``: every other eligible linear too (attention projections included), as ``FP8Linear``.
+
+Build one from code (``FuseConfig(convert="all")``), from keyword arguments or a mapping
+(``FuseConfig.create(**kwargs)``, ``make_fuse_config(dict_or_dictconfig)``); the latter two reject
+misspelt keys with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from typing import Any, Mapping, Optional, Tuple, Union
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_fuse.kernels import ACTIVATIONS
+
+__all__ = ["CONVERT_MODES", "FuseConfig", "make_fuse_config"]
+
+CONVERT_MODES: Tuple[str, ...] = ("chains", "mlp", "all")
+
+
+def _check_names(field_name: str, value: object, accepted: Optional[Tuple[str, ...]]) -> Tuple[str, ...]:
+    """``value`` as a tuple of strings (each in ``accepted`` when given), or a ``TypeError``/``ValueError``."""
+    # Any sequence: Hydra's instantiate hands ListConfigs over unless told to convert them.
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        example = f"[{accepted[0]!r}]" if accepted else "['lm_head']"
+        raise TypeError(f"`{field_name}` must be a list of strings, e.g. {example}; got {value!r}")
+    names = tuple(value)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"`{field_name}` must hold strings; got {name!r} ({type(name).__name__})")
+        if accepted is not None and name not in accepted:
+            raise ValueError(f"`{field_name}` holds an unknown activation {name!r}; accepted: {', '.join(accepted)}")
+    return names
+
+
+@dataclass(frozen=True)
+class FuseConfig:
+    """What ``fuse_`` finds and swaps (see the module docstring for ``convert``).
+
+    Raises:
+        ValueError: an unknown ``convert`` mode or activation name.
+        TypeError: a field of the wrong type.
+
+    Example::
+
+        report = fuse_(model, FuseConfig(convert="all", exclude=("lm_head",)))
+    """
+
+    convert: str = "mlp"  # which linears are swapped: "chains", "mlp" or "all" (module docstring)
+    activations: Tuple[str, ...] = ACTIVATIONS  # activations whose chains are fused; other chains are reported
+    exclude: Tuple[str, ...] = ()  # fnmatch patterns of linear fqns never swapped ("*" spans dots), e.g. "*.attn.*"
+    emulate: bool = False  # run the FP8 path on CPU too (how CI tests the FP8 logic; slow)
+
+    def __post_init__(self) -> None:
+        if self.convert not in CONVERT_MODES:
+            raise ValueError(f"`convert` must be one of {', '.join(CONVERT_MODES)}; got {self.convert!r}")
+        # OmegaConf hands sequences over as lists; tuples keep the frozen config hashable.
+        object.__setattr__(self, "activations", _check_names("activations", self.activations, ACTIVATIONS))
+        object.__setattr__(self, "exclude", _check_names("exclude", self.exclude, None))
+        if not isinstance(self.emulate, bool):
+            raise TypeError(f"`emulate` must be a bool; got {self.emulate!r} ({type(self.emulate).__name__})")
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> "FuseConfig":
+        """A config from keyword arguments; a misspelt key is a ``ValueError`` listing the valid keys."""
+        return make_fuse_config(kwargs)
+
+
+def _field_names() -> Tuple[str, ...]:
+    return tuple(f.name for f in fields(FuseConfig))
+
+
+def make_fuse_config(config: Union[FuseConfig, Mapping[str, Any], DictConfig, None]) -> FuseConfig:
+    """A ``FuseConfig`` from a config, a mapping of its fields, an OmegaConf ``DictConfig``, or ``None``
+    (the defaults). A Hydra ``_target_`` key naming ``FuseConfig`` is accepted and dropped.
+
+    Raises:
+        ValueError: an unknown key (the message lists the valid ones), or a bad value.
+        TypeError: ``config`` is none of the accepted types, or a field has the wrong type.
+    """
+    if config is None:
+        return FuseConfig()
+    if isinstance(config, FuseConfig):
+        return config
+    if isinstance(config, DictConfig):
+        raw = OmegaConf.to_container(config, resolve=True)
+    elif isinstance(config, Mapping):
+        raw = dict(config)
+    else:
+        raise TypeError(f"`config` must be a FuseConfig, a mapping of its fields, a DictConfig or None; "
+                        f"got {type(config).__name__}")
+    target = raw.pop("_target_", None)
+    if target is not None and not str(target).endswith("FuseConfig"):
+        raise ValueError(f"`_target_` must name lightning_fuse.FuseConfig; got {target!r}")
+    valid = _field_names()
+    unknown = [key for key in raw if key not in valid]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"unknown FuseConfig key(s) {', '.join(hints)}; valid keys: {', '.join(valid)}")
+    # Checked before OmegaConf sees them, so the message names the accepted values.
+    if "convert" in raw and raw["convert"] not in CONVERT_MODES:
+        raise ValueError(f"`convert` must be one of {', '.join(CONVERT_MODES)}; got {raw['convert']!r}")
+    if "activations" in raw:
+        _check_names("activations", raw["activations"], ACTIVATIONS)
+    if "exclude" in raw:
+        _check_names("exclude", raw["exclude"], None)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(FuseConfig), raw)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ValueError(f"bad FuseConfig value for `{key}`: {str(err).splitlines()[0]}") from None
+    try:
+        return OmegaConf.to_object(merged)
+    except TypeError as err:
+        raise ValueError(str(err)) from None

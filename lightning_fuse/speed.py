@@ -1,0 +1,111 @@
+"""Measuring what the swap buys: each distinct swapped-module shape, original computation vs fused,
+forward + backward, on the real device and dtypes (CUDA events after warm-up; wall clock on CPU).
+
+The measurement runs on fresh modules of the same shapes (never the model's own parameters), so
+it changes nothing in the model and its optimizer. The fused copy re-quantizes its weight every
+repetition, as training does once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from .autocast import fp8_autocast
+from .modules import FP8Linear, FusedLinearBiasActivation, _FP8LinearBase
+from .recipe import Recipe
+from .scaling import FP8ScalingState
+
+__all__ = ["ShapeKey", "measure", "shape_key"]
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What the speed of a swapped module depends on."""
+
+    in_features: int
+    out_features: int
+    activation: Optional[str]  # None for FP8Linear
+    bias: bool
+    weight_is_in_out: bool
+    tokens: int  # rows of the flattened input
+    input_dtype: torch.dtype
+    param_dtype: torch.dtype
+
+    def label(self) -> str:
+        act = self.activation or "linear"
+        return f"{self.in_features}x{self.out_features} {act} ({self.tokens} tokens)"
+
+
+def shape_key(module: _FP8LinearBase, tokens: int, input_dtype: torch.dtype) -> ShapeKey:
+    return ShapeKey(module.in_features, module.out_features, module.activation, module.bias is not None,
+                    module.weight_is_in_out, int(tokens), input_dtype, module.weight.dtype)
+
+
+def _copy_of(key: ShapeKey, device: torch.device, emulate: bool) -> _FP8LinearBase:
+    linear = nn.Linear(key.in_features, key.out_features, bias=key.bias, device=device, dtype=key.param_dtype)
+    module = FusedLinearBiasActivation(linear, key.activation, emulate=emulate) if key.activation else \
+        FP8Linear(linear, emulate=emulate)
+    module.bind_fp8_state(FP8ScalingState(), f"benchmark[{key.label()}]")
+    return module
+
+
+def _timer(device: torch.device, fn: Callable[[], None], warmup: int, reps: int) -> float:
+    """Median ms of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(key: ShapeKey, device: torch.device, recipe: Optional[Recipe], *, emulate: bool = False,
+            precision_context: Callable[[], ContextManager] = contextlib.nullcontext,
+            warmup: int = 3, reps: int = 10) -> tuple[float, float]:
+    """``(original_ms, fused_ms)`` of forward + backward for one shape.
+
+    ``precision_context`` is entered around both forwards (the Trainer's autocast, for example);
+    the fused copy runs under ``fp8_autocast(recipe)`` when a recipe is given.
+    """
+    module = _copy_of(key, device, emulate)
+    x = torch.randn(key.tokens, key.in_features, device=device, dtype=key.input_dtype, requires_grad=True)
+    dy = None
+
+    def step(fused: bool) -> Callable[[], None]:
+        def run() -> None:
+            nonlocal dy
+            module.fused = fused
+            module.weight.grad = None
+            if module.bias is not None:
+                module.bias.grad = None
+            x.grad = None
+            fp8 = fp8_autocast(recipe, update_scales=False) if (fused and recipe is not None) else contextlib.nullcontext()
+            with precision_context(), fp8:
+                y = module(x)
+            if dy is None or dy.dtype != y.dtype:
+                dy = torch.randn_like(y)
+            y.backward(dy)
+            module.fp8_state.generation += 1  # a new step: the FP8 weight copy is made again
+        return run
+
+    original = _timer(device, step(False), warmup, reps)
+    fused = _timer(device, step(True), warmup, reps)
+    return original, fused

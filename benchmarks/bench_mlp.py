@@ -24,7 +24,7 @@ from torch import nn
 from common import environment, median_ms, print_table, unfused_dact_dbias_quantize, unfused_dbias_quantize
 from common import write_results
 import lightning_fuse
-from lightning_fuse import DelayedScaling, FP8Linear, FP8ScalingState, FusedLinearBiasActivation, fp8_autocast
+from lightning_fuse import DelayedScaling, FuseConfig, fp8_autocast, fuse_
 
 TOKENS = 16384
 
@@ -83,12 +83,7 @@ def bench_d(d: int, with_torchao: bool) -> dict:
     row["bf16_compile_ms"] = median_ms(step_fn(torch.compile(base), x, dy))
 
     ours = copy.deepcopy(base)
-    state = FP8ScalingState()
-    ours[0] = FusedLinearBiasActivation(ours[0], "gelu_tanh")
-    ours[1] = nn.Identity()
-    ours[2] = FP8Linear(ours[2])
-    ours[0].bind_fp8_state(state, "0")
-    ours[2].bind_fp8_state(state, "2")
+    fuse_(ours, FuseConfig(convert="mlp"))
     recipe = DelayedScaling()
     ctx = lambda: fp8_autocast(recipe)  # noqa: E731
     ours_step = step_fn(ours, x, dy, ctx)

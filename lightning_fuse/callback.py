@@ -18,7 +18,7 @@ from typing_extensions import override
 from .autocast import fp8_autocast
 from .config import FuseConfig, make_fuse_config
 from .fuse import FuseReport, fp8_state_of, fuse_
-from .modules import _FP8LinearBase
+from .modules import FP8LinearBase
 from .recipe import DelayedScaling, Recipe, make_recipe
 from .scaling import FP8ScalingState
 from .speed import measure, shape_key
@@ -111,7 +111,7 @@ class FusedBackwardCallback(Callback):
         self.state: Optional[FP8ScalingState] = None
         self.speedups: dict[str, float] = {}  # module fqn -> original time / fused time
         self.decisions: dict[str, bool] = {}  # module fqn -> kept fused
-        self._modules: dict[str, _FP8LinearBase] = {}
+        self._modules: dict[str, FP8LinearBase] = {}
         self._loaded: Optional[dict[str, Any]] = None
         self._context: Optional[contextlib.ExitStack] = None
         self._capture: dict[str, tuple[int, torch.dtype]] = {}
@@ -143,7 +143,7 @@ class FusedBackwardCallback(Callback):
     def _fuse(self, pl_module: LightningModule) -> None:
         self.report = fuse_(pl_module, self.fuse_config, module_filter_fn=self.module_filter_fn)
         self.state = fp8_state_of(pl_module)
-        self._modules = {name: m for name, m in pl_module.named_modules() if isinstance(m, _FP8LinearBase)}
+        self._modules = {name: m for name, m in pl_module.named_modules() if isinstance(m, FP8LinearBase)}
         if self._loaded is not None:
             self._apply_loaded(self._loaded)
             self._loaded = None

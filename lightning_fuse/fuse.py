@@ -40,7 +40,7 @@ from torch.nn.utils import parametrize
 
 from .chain_finder import Chain, ChainSearch, SkippedModule, find_chains
 from .config import FuseConfig, make_fuse_config
-from .modules import (FP8Linear, FusedLinearBiasActivation, _FP8LinearBase, fp8_shape_reason, is_linear_like,
+from .modules import (FP8Linear, FusedLinearBiasActivation, FP8LinearBase, fp8_shape_reason, is_linear_like,
                       linear_dims)
 from .scaling import FP8ScalingState
 
@@ -320,7 +320,7 @@ def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
 def _fused_part(model: nn.Module) -> str:
     """The fqn of the first already-swapped piece of ``model``, or ``""``."""
     for name, module in model.named_modules():
-        if isinstance(module, _FP8LinearBase) or _ORIGINAL_ATTR in module.__dict__ \
+        if isinstance(module, FP8LinearBase) or _ORIGINAL_ATTR in module.__dict__ \
                 or isinstance(module.__dict__.get("forward"), _GeneratedForward):
             return name or type(model).__name__
     return ""
@@ -335,7 +335,7 @@ def _existing_report(model: nn.Module, record: _FuseRecord, config: FuseConfig) 
             module = model.get_submodule(name)
         except AttributeError:
             module = None
-        if not isinstance(module, _FP8LinearBase):
+        if not isinstance(module, FP8LinearBase):
             raise ValueError(f"the model was fused, then partly unfused (`{name}` is no longer a fused module); "
                              "call unfuse_(model) on the whole model and fuse it again")
     return record.report
@@ -522,7 +522,7 @@ def unfuse_(model: nn.Module) -> nn.Module:
         raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
     for owner in list(model.modules()):
         for name, child in list(owner.named_children()):
-            if isinstance(child, _FP8LinearBase):
+            if isinstance(child, FP8LinearBase):
                 setattr(owner, name, child.to_original())
             elif isinstance(child, nn.Identity) and _ORIGINAL_ATTR in child.__dict__:
                 setattr(owner, name, child.__dict__[_ORIGINAL_ATTR][0])

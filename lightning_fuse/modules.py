@@ -42,7 +42,7 @@ from .autocast import active_context
 from .recipe import CurrentScaling, DelayedScaling, Recipe
 from .scaling import FP8ScalingState
 
-__all__ = ["FP8Linear", "FusedLinearBiasActivation", "is_linear_like", "linear_dims"]
+__all__ = ["FP8Linear", "FP8LinearBase", "FusedLinearBiasActivation", "fp8_shape_reason", "is_linear_like", "linear_dims"]
 
 _WARNED: set[str] = set()
 
@@ -109,7 +109,7 @@ def _device_has_fp8(device: torch.device) -> bool:
 class _FP8Plan:
     """What one FP8 call needs besides its tensors (non-tensor arguments of the autograd function)."""
 
-    module: "_FP8LinearBase"
+    module: "FP8LinearBase"
     recipe: Recipe
     state: Optional[FP8ScalingState]
     dtype: torch.dtype
@@ -233,12 +233,16 @@ class _LinearActFunction(torch.autograd.Function):
         return dx, dweight, dbias_out, None, None, None
 
 
-class _FP8LinearBase(nn.Module):
+class FP8LinearBase(nn.Module):
+    """What ``FusedLinearBiasActivation`` and ``FP8Linear`` share: parameters, paths, FP8 state."""
+
     activation: Optional[str] = None
 
     def __init__(self, linear: nn.Module, *, emulate: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.weight_is_in_out = linear_dims(linear)
+        if self.weight_is_in_out:  # code that reads HF Conv1D's sizes keeps working
+            self.nf, self.nx = self.out_features, self.in_features
         self.weight = linear.weight
         self.bias = linear.bias if isinstance(getattr(linear, "bias", None), nn.Parameter) else None
         # Kept for unfuse_ and never registered (its parameters are ours): a tuple hides it from nn.Module.
@@ -366,7 +370,7 @@ class _FP8LinearBase(nn.Module):
                                         _compute_dtype(x))
 
 
-class FusedLinearBiasActivation(_FP8LinearBase):
+class FusedLinearBiasActivation(FP8LinearBase):
     """``act(x @ W^T + b)`` as one module: FP8 GEMMs under a recipe, one fused kernel in backward.
 
     Args:
@@ -386,7 +390,7 @@ class FusedLinearBiasActivation(_FP8LinearBase):
         self.activation = activation
 
 
-class FP8Linear(_FP8LinearBase):
+class FP8Linear(FP8LinearBase):
     """A linear layer (no activation) with FP8 GEMMs; its backward fuses the bias gradient with the
     FP8 quantization of the incoming gradient (row-wise and transposed).
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .autocast import fp8_autocast
-from .modules import FP8Linear, FusedLinearBiasActivation, _FP8LinearBase
+from .modules import FP8Linear, FusedLinearBiasActivation, FP8LinearBase
 from .recipe import Recipe
 from .scaling import FP8ScalingState
 
@@ -42,12 +42,12 @@ class ShapeKey:
         return f"{self.in_features}x{self.out_features} {act} ({self.tokens} tokens)"
 
 
-def shape_key(module: _FP8LinearBase, tokens: int, input_dtype: torch.dtype) -> ShapeKey:
+def shape_key(module: FP8LinearBase, tokens: int, input_dtype: torch.dtype) -> ShapeKey:
     return ShapeKey(module.in_features, module.out_features, module.activation, module.bias is not None,
                     module.weight_is_in_out, int(tokens), input_dtype, module.weight.dtype)
 
 
-def _copy_of(key: ShapeKey, device: torch.device, emulate: bool) -> _FP8LinearBase:
+def _copy_of(key: ShapeKey, device: torch.device, emulate: bool) -> FP8LinearBase:
     linear = nn.Linear(key.in_features, key.out_features, bias=key.bias, device=device, dtype=key.param_dtype)
     module = FusedLinearBiasActivation(linear, key.activation, emulate=emulate) if key.activation else \
         FP8Linear(linear, emulate=emulate)

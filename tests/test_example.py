@@ -38,7 +38,9 @@ FUSE_MODES = [
     pytest.param(
         [],
         id="fuse-on",
-        marks=pytest.mark.skipif(not fuse_callback_exists(), reason="lightning_fuse.FusedBackwardCallback not written yet"),
+        marks=pytest.mark.skipif(
+            not fuse_callback_exists(), reason="lightning_fuse.FusedBackwardCallback not written yet"
+        ),
     ),
 ]
 
@@ -169,10 +171,10 @@ def test_data_from_a_folder_and_a_local_tokenizer(tmp_path: Path) -> None:
         (corpus / f"part{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 200)
     bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
-    bpe.train_from_iterator(
-        [path.read_text() for path in corpus.iterdir()],
-        trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    bpe_trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
+    bpe.train_from_iterator([path.read_text() for path in corpus.iterdir()], bpe_trainer)
     PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="[UNK]").save_pretrained(tmp_path / "tokenizer")
 
     data = TextDataModule(path=str(corpus), glob="*.txt", tokenizer=str(tmp_path / "tokenizer"), block_size=16)
@@ -203,6 +205,12 @@ def test_tiny_run_learns(tmp_path: Path, source: str, fuse: list[str]) -> None:
     assert result.val_loss < result.val_loss_init - 1.0
     assert result.tokens_per_sec > 0
     assert Path(result.checkpoint_path).is_file()
+
+
+def test_final_validation_and_checkpoint_when_the_schedule_misses_the_last_step(tmp_path: Path) -> None:
+    result = train(quick_config(tmp_path, ["trainer.max_steps=20", "trainer.val_check_interval=15", "fuse=null"]))
+    assert [step for step, _ in result.val_history] == [0, 15, 20]
+    assert torch.load(result.checkpoint_path, weights_only=True)["global_step"] == 20
 
 
 @pytest.mark.parametrize("fuse", FUSE_MODES)
@@ -236,7 +244,8 @@ def test_init_from_a_local_hf_directory(tmp_path: Path, fuse: list[str]) -> None
 
 def test_missing_data_path_names_it(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_corpus.txt"
-    with pytest.raises(FileNotFoundError, match=r"data\.path='.*no_such_corpus\.txt' does not exist.*Expected a text file"):
+    expected = r"data\.path='.*no_such_corpus\.txt' does not exist.*Expected a text file"
+    with pytest.raises(FileNotFoundError, match=expected):
         train(quick_config(tmp_path, [f"data.path={missing}", "fuse=null"]))
 
 

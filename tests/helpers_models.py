@@ -1,0 +1,267 @@
+"""Tiny models for the chain-finder and swap tests: the MLP shapes real code uses, and near misses.
+
+Every dimension is small (d <= 64) so the Triton interpreter stays fast.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# -- MLPs that must be fused ------------------------------------------------------------------------
+
+
+class NanoGPTMLP(nn.Module):
+    """nanoGPT's ``MLP``: ``c_fc -> GELU (exact) -> c_proj -> dropout``."""
+
+    def __init__(self, d: int = 16, bias: bool = True, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d, bias=bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d, d, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.c_fc(x)  # (B, T, 4d)
+        x = self.gelu(x)
+        x = self.c_proj(x)  # (B, T, d)
+        return self.dropout(x)
+
+
+class ShuffledMLP(nn.Module):
+    """The nanoGPT MLP with its children registered in another order than its forward calls them."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.c_proj = nn.Linear(4 * d, d)
+        self.dropout = nn.Dropout(0.0)
+        self.gelu = nn.GELU()
+        self.c_fc = nn.Linear(d, 4 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class LitGPTMLP(nn.Module):
+    """litgpt's ``GptNeoxMLP``: the activation is a functional call inside ``forward``."""
+
+    def __init__(self, d: int = 16, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        x = F.gelu(x, approximate=self.approximate)
+        return self.proj(x)
+
+
+class FunctionalZoo(nn.Module):
+    """Every functional activation form the finder knows, one per linear, in a stack."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = (nn.Linear(d, d) for _ in range(5))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # `input` shadows a builtin, as in HF code
+        h = F.relu(self.a(input))
+        h = torch.relu(self.b(h))
+        h = F.silu(self.c(h))
+        h = self.d(h).relu()
+        return F.gelu(self.e(h))
+
+
+class ModuleListMLP(nn.Module):
+    """Linears held in a ``ModuleList``; the activation is functional."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, 2 * d), nn.Linear(2 * d, d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](F.silu(self.layers[0](x)))
+
+
+class Block(nn.Module):
+    """A transformer-ish block: an attention-like projection (not a chain) and a nanoGPT MLP."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.attn_proj = nn.Linear(d, d)
+        self.mlp = NanoGPTMLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn_proj(x)
+        return x + self.mlp(x)
+
+
+class TiedHeadLM(nn.Module):
+    """An embedding, an MLP and an output head whose weight is the embedding's (tied weights)."""
+
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.mlp = NanoGPTMLP(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.mlp(self.wte(idx)))
+
+
+def sequential_mlp(d: int = 16, activation: Optional[nn.Module] = None) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d, 4 * d), activation or nn.GELU(), nn.Linear(4 * d, d))
+
+
+# -- near misses: found, reported, left alone -----------------------------------------------------
+
+
+class DropoutBetween(nn.Module):
+    """``fc -> dropout -> act``: the activation does not consume the linear's output directly."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.1)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(self.fc(x)))
+
+
+class OutputReused(nn.Module):
+    """``act(h) + h``: the pre-activation value is needed after the activation."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.act(h) + h
+
+
+class SharedActivation(nn.Module):
+    """One activation module instance applied after two linears."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc1(x)) + self.act(self.fc2(x))
+
+
+class LinearCalledTwice(nn.Module):
+    """One linear module called twice, each time followed by an activation."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act1 = nn.GELU()
+        self.act2 = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act2(self.fc(self.act1(self.fc(x))))
+
+
+class ActivationExtraArgs(nn.Module):
+    """An activation module called with an extra tensor argument (only traced, never run)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x), x)
+
+
+class GeluFromTensorArg(nn.Module):
+    """``F.gelu`` whose ``approximate`` comes from a forward argument: unknown at trace time."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        return F.gelu(self.fc(x), approximate=approximate)
+
+
+class TrainingDependent(nn.Module):
+    """A forward whose graph depends on ``self.training`` (functional dropout)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(F.gelu(self.fc(x)), 0.1, training=self.training)
+
+
+class OptionalArgMLP(nn.Module):
+    """A functional activation in a forward with an optional argument."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+        h = F.relu(self.fc(x))
+        return h * scale if scale is not None else h
+
+
+class Untraceable(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if h.sum() > 0:
+            return self.act(h)
+        return h
+
+
+# -- comparisons -------------------------------------------------------------------------------------
+
+
+def fused_and_reference(make: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """Two identical models (the first to be fused)."""
+    torch.manual_seed(seed)
+    model = make()
+    return model, copy.deepcopy(model)
+
+
+def assert_same_outputs_and_grads(fused: nn.Module, reference: nn.Module, x: torch.Tensor,
+                                  rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Output, input gradient and every parameter gradient of ``fused`` equal ``reference``'s."""
+    x1 = x.detach().clone().requires_grad_(x.is_floating_point())
+    x2 = x.detach().clone().requires_grad_(x.is_floating_point())
+    seed = int(torch.randint(0, 2**31, ()))
+    torch.manual_seed(seed)  # the same dropout masks in both
+    y1 = fused(x1)
+    torch.manual_seed(seed)
+    y2 = reference(x2)
+    torch.testing.assert_close(y1, y2, rtol=rtol, atol=atol)
+    weight = torch.randn_like(y1)  # a non-uniform upstream gradient
+    (y1 * weight).sum().backward()
+    (y2 * weight).sum().backward()
+    if x.is_floating_point():
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=rtol, atol=atol)
+    params1, params2 = dict(fused.named_parameters()), dict(reference.named_parameters())
+    assert params1.keys() == params2.keys()
+    for name, param in params1.items():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, params2[name].grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")

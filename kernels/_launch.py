@@ -16,10 +16,21 @@ __all__ = [
     "check_float_tensor",
     "check_scale",
     "pick_config",
+    "use_ptx_encoder",
     "use_triton",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def use_ptx_encoder(t: torch.Tensor) -> bool:
+    """Whether kernels encode FP8 with the hardware conversion (CUDA, compute capability 8.9+).
+
+    ``LIGHTNING_FUSE_FP8_ENCODER=int`` forces the integer encoder (the benchmark compares both).
+    """
+    if not t.is_cuda or os.environ.get("LIGHTNING_FUSE_FP8_ENCODER", "ptx") == "int":
+        return False
+    return torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
 def use_triton(t: torch.Tensor) -> bool:

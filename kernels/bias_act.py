@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ._launch import as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_triton
+from ._launch import as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_ptx_encoder, use_triton
 from .activations import act_forward, activation_id, activation_reference
-from .fp8 import FP8_FORMATS, fp8_encode, fp8_format
+from .fp8 import FP8_FORMATS, fp8_codes, fp8_format
 
 __all__ = ["bias_act", "bias_act_reference"]
 
@@ -31,6 +31,7 @@ def _bias_act_kernel(
     FP8_FORMAT: tl.constexpr,  # 0: no FP8 copy
     TRANSPOSE: tl.constexpr,
     COMPUTE_AMAX: tl.constexpr,
+    USE_PTX: tl.constexpr,  # hardware FP8 conversion (GPU) or integer arithmetic (interpreter)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -60,7 +61,7 @@ def _bias_act_kernel(
         if COMPUTE_AMAX:
             amax_acc = tl.maximum(amax_acc, tl.where(y == y, tl.abs(y), float("inf")))
         if FP8_FORMAT != 0:
-            codes = fp8_encode(y * scale, FP8_FORMAT)
+            codes = fp8_codes(y * scale, FP8_FORMAT, USE_PTX)
             tl.store(q_ptr + offs_m[:, None] * stride_q_m + offs_n[None, :], codes.to(tl.uint8), mask=mask)
             if TRANSPOSE:
                 tl.store(q_t_ptr + offs_n[:, None] * stride_q_t_n + offs_m[None, :], tl.trans(codes).to(tl.uint8),
@@ -89,7 +90,7 @@ def _bias_act_op(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int,
             q_t.stride(0) if transpose else 0,
             m, n, rows_per_group,
             ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_Y=store_y, FP8_FORMAT=fp8_code,
-            TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None,
+            TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, USE_PTX=use_ptx_encoder(h),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     return y, q, q_t

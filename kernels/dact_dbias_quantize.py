@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ._launch import LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_triton
+from ._launch import LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_ptx_encoder, use_triton
 from .activations import act_derivative, activation_derivative_reference, activation_id
-from .fp8 import FP8_FORMATS, fp8_encode, fp8_format
+from .fp8 import FP8_FORMATS, fp8_codes, fp8_format
 
 __all__ = [
     "dact_dbias_quantize",
@@ -47,6 +47,7 @@ def _dact_dbias_quantize_kernel(
     TRANSPOSE: tl.constexpr,
     COMPUTE_DBIAS: tl.constexpr,
     COMPUTE_AMAX: tl.constexpr,
+    USE_PTX: tl.constexpr,  # hardware FP8 conversion (GPU) or integer arithmetic (interpreter)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -80,7 +81,7 @@ def _dact_dbias_quantize_kernel(
             out_ptrs = out_ptr + offs_m[:, None] * stride_out_m + offs_n[None, :]
             if FP8_FORMAT != 0:
                 # Integer codes, not fp8 values: see fp8.py for why the transposed copy needs it.
-                codes = fp8_encode(dx * scale, FP8_FORMAT)
+                codes = fp8_codes(dx * scale, FP8_FORMAT, USE_PTX)
                 tl.store(out_ptrs, codes.to(tl.uint8), mask=mask)
                 if TRANSPOSE:
                     out_t_ptrs = out_t_ptr + offs_n[:, None] * stride_out_t_n + offs_m[None, :]
@@ -121,7 +122,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         out.stride(0), out_t.stride(0) if transpose else 0,
         m, n, rows_per_group,
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
-        COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None,
+        COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, USE_PTX=use_ptx_encoder(grad),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
     if compute_dbias:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8Format", "FP8_FORMATS", "fp8_format", "fp8_encode", "quantize_reference"]
+__all__ = ["FP8Format", "FP8_FORMATS", "fp8_codes", "fp8_encode", "fp8_encode_ptx", "fp8_format", "quantize_reference"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,30 @@ def fp8_encode(x, FP8_FORMAT: tl.constexpr):
     code = tl.where(subnormal, rounded, rounded - ((MIN_NORMAL_EXP - 1) << MANTISSA))
     code = tl.where(is_nan, 0x7F, code)
     return code | sign
+
+
+@triton.jit
+def fp8_encode_ptx(x, FP8_FORMAT: tl.constexpr):
+    """``fp8_encode`` through the hardware conversion (sm_89+): one ``cvt`` per element instead of
+    about twenty integer operations. The result is a plain int32 code, so no fp8-typed value ever
+    reaches a layout conversion or a store."""
+    if FP8_FORMAT == 1:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $1, $1; cvt.u32.u16 $0, pair; and.b32 $0, $0, 255; }",
+            "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 pair; cvt.rn.satfinite.e5m2x2.f32 pair, $1, $1; cvt.u32.u16 $0, pair; and.b32 $0, $0, 255; }",
+            "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def fp8_codes(x, FP8_FORMAT: tl.constexpr, USE_PTX: tl.constexpr):
+    """FP8 byte codes of fp32 ``x``: the hardware conversion on GPUs, integer arithmetic elsewhere."""
+    if USE_PTX:
+        return fp8_encode_ptx(x, FP8_FORMAT)
+    else:
+        return fp8_encode(x, FP8_FORMAT)
 
 
 def quantize_reference(x: torch.Tensor, scale: torch.Tensor | float, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""End-to-end benchmark (GPU): examples/gpt_finetune.py's GPT under Lightning ``bf16-mixed``,
+without the callback vs with it (FP8 + fused backward), same model and data.
+
+For each d in {768, 1600, 2048, 4096} (configs/experiment/gpt_d*.yaml, sequence 1024, 16384
+tokens per step) it runs ``--steps`` optimizer steps each way and reports tokens/s after the
+warm-up steps. With ``--parity-steps N`` it also runs d=1600 for N steps both ways with validation
+and writes both validation losses and the overlaid training-loss curves (PNG).
+
+    python benchmarks/bench_e2e.py --out results/e2e --steps 30 --parity-steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from common import environment, print_table, write_results  # noqa: E402
+from gpt_finetune import train  # noqa: E402
+
+EXPERIMENTS = {768: "gpt_d768", 1600: "gpt2_xl_fp8", 2048: "gpt_d2048", 4096: "gpt_d4096"}
+
+
+def run(d: int, fused: bool, steps: int, out_dir: Path, validate: bool, extra: list[str]):
+    overrides = [f"experiment={EXPERIMENTS[d]}", f"trainer.max_steps={steps}", f"output_dir={out_dir}",
+                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                 "trainer.enable_checkpointing=false", *extra]
+    if not fused:
+        overrides.append("fuse=null")
+    if validate:
+        overrides += [f"trainer.val_check_interval={steps}", "trainer.limit_val_batches=16"]
+    else:
+        overrides += ["trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0"]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    return train(cfg)
+
+
+def train_losses(out_dir: Path) -> list[tuple[int, float]]:
+    """``(step, train loss)`` from the run's CSV log."""
+    rows = []
+    for path in sorted(out_dir.glob("csv/version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                loss = row.get("train/loss") or row.get("train_loss") or row.get("loss")
+                if loss:
+                    rows.append((int(row["step"]), float(loss)))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/e2e")
+    parser.add_argument("--dims", default="768,1600,2048,4096")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--parity-steps", type=int, default=0)
+    args = parser.parse_args()
+    print(environment())
+    rows = []
+    work = Path(tempfile.mkdtemp())
+    for d in [int(v) for v in args.dims.split(",")]:
+        row = {"d": d}
+        for fused in (False, True):
+            result = run(d, fused, args.steps, work / f"d{d}_{fused}", False, [])
+            row["fused_tok_s" if fused else "bf16_tok_s"] = result.tokens_per_sec
+        row["speedup"] = row["fused_tok_s"] / row["bf16_tok_s"]
+        rows.append(row)
+        print_table(rows[-1:], list(row))
+        write_results(args.out, "e2e", rows)
+    print_table(rows, list(rows[0]))
+    if args.parity_steps:
+        curves, parity = {}, []
+        for fused in (False, True):
+            out = work / f"parity_{fused}"
+            result = run(1600, fused, args.parity_steps, out, True, [])
+            label = "lightning-fuse FP8" if fused else "bf16-mixed"
+            curves[label] = train_losses(out)
+            parity.append({"run": label, "steps": result.steps, "val_loss": result.val_loss,
+                           "train_loss": result.train_loss, "tokens_per_sec": result.tokens_per_sec})
+        parity.append({"run": "relative val loss difference", "steps": args.parity_steps,
+                        "val_loss": parity[1]["val_loss"] / parity[0]["val_loss"] - 1, "train_loss": float("nan"),
+                        "tokens_per_sec": parity[1]["tokens_per_sec"] / parity[0]["tokens_per_sec"]})
+        write_results(args.out, "parity", parity)
+        print_table(parity, list(parity[0]))
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, points in curves.items():
+            if points:
+                steps, losses = zip(*points)
+                ax.plot(steps, losses, label=label, lw=1)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("training loss")
+        ax.set_title(f"GPT d=1600, seq 1024: {args.parity_steps} steps")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(Path(args.out) / "parity.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

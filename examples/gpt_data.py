@@ -48,7 +48,9 @@ def corpus_files(path: str | Path | None, glob: str) -> list[Path]:
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist (resolved to {given.resolve()}). {expected}")
     files = sorted(file for file in given.glob(glob) if file.is_file())
     if not files:
-        raise FileNotFoundError(f"data.path={str(path)!r} is a folder, but no file in it matches data.glob={glob!r}. {expected}")
+        raise FileNotFoundError(
+            f"data.path={str(path)!r} is a folder, but no file in it matches data.glob={glob!r}. {expected}"
+        )
     return files
 
 
@@ -141,8 +143,14 @@ class TextDataModule(L.LightningDataModule):
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1")
-        for name, value in (("max_bytes", max_bytes), ("block_size", block_size), ("batch_size", batch_size),
-                            ("train_blocks", train_blocks), ("val_blocks", val_blocks)):
+        counts = dict(
+            max_bytes=max_bytes,
+            block_size=block_size,
+            batch_size=batch_size,
+            train_blocks=train_blocks,
+            val_blocks=val_blocks,
+        )
+        for name, value in counts.items():
             if value < 1:
                 raise ValueError(f"data.{name}={value} must be a positive integer")
         # look at the inputs now, so a wrong path fails before any model is built

@@ -63,8 +63,12 @@ def resolve_init_from(init_from: str) -> tuple[str, Path | None]:
     if path.is_dir() and (path / "config.json").is_file():
         return "hf", path
     if not path.exists():
-        raise FileNotFoundError(f"init_from={init_from!r} does not exist (resolved to {path.resolve()}). {INIT_FROM_EXPECTED}")
-    raise ValueError(f"init_from={init_from!r} is neither a .ckpt file nor a directory with config.json. {INIT_FROM_EXPECTED}")
+        raise FileNotFoundError(
+            f"init_from={init_from!r} does not exist (resolved to {path.resolve()}). {INIT_FROM_EXPECTED}"
+        )
+    raise ValueError(
+        f"init_from={init_from!r} is neither a .ckpt file nor a directory with config.json. {INIT_FROM_EXPECTED}"
+    )
 
 
 def new_network(architecture: dict[str, Any]) -> nn.Module:
@@ -84,6 +88,8 @@ def new_network(architecture: dict[str, Any]) -> nn.Module:
         embd_pdrop=architecture["dropout"],
         attn_pdrop=architecture["dropout"],
         activation_function="gelu_new",  # the tanh GELU, as in our GPT's MLP
+        bos_token_id=None,  # no special tokens: the data is one plain token stream
+        eos_token_id=None,
     )
     return GPT2LMHeadModel(config)
 
@@ -123,7 +129,8 @@ def build_network(model: DictConfig, init_from: str, vocab_size: int) -> tuple[n
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         if "architecture" not in checkpoint.get("hyper_parameters", {}):
             raise ValueError(
-                f"init_from={init_from!r} is a checkpoint without hyper_parameters['architecture']. {INIT_FROM_EXPECTED}"
+                f"init_from={init_from!r} is a checkpoint without hyper_parameters['architecture']. "
+                + INIT_FROM_EXPECTED
             )
         architecture = dict(checkpoint["hyper_parameters"]["architecture"], dropout=model.dropout)
         network = new_network(architecture)
@@ -145,6 +152,8 @@ def build_network(model: DictConfig, init_from: str, vocab_size: int) -> tuple[n
             path, local_files_only=True, dtype=torch.float32,
             resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
         )
+        # from_pretrained returns the model in eval mode, and Lightning keeps the modes it finds
+        hf_model.train()
         architecture = dict(
             source=model.source,
             n_layer=hf_config.n_layer,
@@ -240,9 +249,8 @@ class GPTFineTune(L.LightningModule):
             {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": settings["weight_decay"]},
             {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(
-            groups, lr=settings["lr"], betas=tuple(settings["betas"]), fused=self.device.type == "cuda"
-        )
+        # not fused=True: Lightning's mixed-precision plugin refuses gradient clipping with a fused optimizer
+        optimizer = torch.optim.AdamW(groups, lr=settings["lr"], betas=tuple(settings["betas"]))
         schedule = partial(
             lr_multiplier,
             warmup_steps=settings["warmup_steps"],
@@ -284,7 +292,9 @@ class TokensPerSecond(Callback):
         return self.total_tokens / self.total_seconds if self.total_seconds > 0 else float("nan")
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._start is None:
             _synchronize(pl_module.device)
             self._start = time.perf_counter()
@@ -329,9 +339,10 @@ class TrainResult:
     train_loss: float  # mean of the last few training losses
     val_loss: float  # at the end of training
     val_loss_init: float  # before the first step (the sanity check)
+    val_history: list[tuple[int, float]]  # (step, val loss) of every validation
     tokens_per_sec: float
     steps: int
-    checkpoint_path: str  # last.ckpt, usable as init_from
+    checkpoint_path: str  # checkpoints/last.ckpt, usable as init_from; "" if none was written
 
 
 def train(cfg: DictConfig) -> TrainResult:
@@ -352,9 +363,13 @@ def train(cfg: DictConfig) -> TrainResult:
     module = GPTFineTune(network, architecture, OmegaConf.to_container(cfg.optimizer, resolve=True))
 
     output_dir = Path(cfg.output_dir)
-    checkpoint = ModelCheckpoint(dirpath=output_dir / "checkpoints", save_last=True)
     throughput = TokensPerSecond()
-    callbacks: list[Callback] = [checkpoint, throughput, LearningRateMonitor(logging_interval="step")]
+    callbacks: list[Callback] = [throughput, LearningRateMonitor(logging_interval="step")]
+    save_checkpoints = cfg.trainer.get("enable_checkpointing", True)
+    last_checkpoint = output_dir / "checkpoints" / "last.ckpt"
+    if save_checkpoints:
+        # only last.ckpt, rewritten at each validation: GPT-2 XL-sized checkpoints are tens of GB each
+        callbacks.append(ModelCheckpoint(dirpath=last_checkpoint.parent, save_top_k=0, save_last=True))
     if cfg.get("fuse") is not None:
         callbacks.append(hydra.utils.instantiate(cfg.fuse))
     trainer: L.Trainer = hydra.utils.instantiate(
@@ -363,17 +378,21 @@ def train(cfg: DictConfig) -> TrainResult:
 
     trainer.fit(module, datamodule=datamodule)
     if module.val_history and module.val_history[-1][0] != trainer.global_step:
-        # the last scheduled validation came before the last step: measure the final model too
+        # the last scheduled validation came before the last step: validate and save the final model too
         trainer.validate(module, datamodule=datamodule, verbose=False)
+        if save_checkpoints:
+            trainer.save_checkpoint(last_checkpoint)
 
+    history = module.val_history
     nan = float("nan")
     return TrainResult(
         train_loss=torch.stack(list(module.recent_train_losses)).mean().item() if module.recent_train_losses else nan,
-        val_loss=module.val_history[-1][1] if module.val_history else nan,
-        val_loss_init=module.val_history[0][1] if module.val_history and module.val_history[0][0] == 0 else nan,
+        val_loss=history[-1][1] if history else nan,
+        val_loss_init=history[0][1] if history and history[0][0] == 0 else nan,
+        val_history=history,
         tokens_per_sec=throughput.tokens_per_sec,
         steps=trainer.global_step,
-        checkpoint_path=checkpoint.last_model_path,
+        checkpoint_path=str(last_checkpoint) if last_checkpoint.is_file() else "",
     )
 
 

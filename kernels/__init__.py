@@ -3,6 +3,7 @@
 Installed as ``lightning_fuse.kernels``.
 """
 
+from ._launch import use_triton
 from .bias_act import bias_act, bias_act_reference
 from .activations import ACTIVATIONS, activation_derivative_reference, activation_reference
 from .dact_dbias_quantize import (
@@ -28,4 +29,5 @@ __all__ = [
     "quantize",
     "quantize_current_scaling",
     "quantize_reference",
+    "use_triton",
 ]

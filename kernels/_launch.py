@@ -91,6 +91,7 @@ class LaunchConfig:
     block_n: int
     num_warps: int
     groups: int  # programs along M; each walks ceil(M / groups) rows, tile by tile
+    transpose_bytes: bool = False  # transpose 8-bit codes (True) or their int32 form (False) in shared memory
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,12 +99,13 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def pick_config(m: int, n: int, device: torch.device, *, block_m: int = 64, block_n: int = 128,
-                num_warps: int = 8, programs_per_sm: int = 4) -> LaunchConfig:
+def pick_config(m: int, n: int, device: torch.device, *, block_m: int = 64, block_n: int = 64,
+                num_warps: int = 8, programs_per_sm: int = 8) -> LaunchConfig:
     """Tiles and row groups for an ``(m, n)`` elementwise pass with a per-column reduction.
 
     Each program walks a column strip over a group of rows so the bias-gradient partials stay in
-    registers; enough groups are made to give every multiprocessor several programs.
+    registers; enough groups are made to give every multiprocessor several programs. The defaults
+    are the fastest of a sweep on an H200 (benchmarks/bench_kernels.py --sweep, BENCHMARKS.md).
     """
     if device.type != "cuda":
         # Interpreter: small tiles, so that tests cross tile edges and row groups.

@@ -22,11 +22,12 @@ _FORMAT_DTYPES = {fmt.code: fmt.dtype for fmt in FP8_FORMATS.values()}
 
 @triton.jit
 def _bias_act_kernel(
-    h_ptr, bias_ptr, y_ptr, q_ptr, q_t_ptr, scale_ptr, amax_ptr,
-    stride_h_m, stride_h_n, stride_y_m, stride_q_m, stride_q_t_n,
+    h_ptr, bias_ptr, y_ptr, q_ptr, q_t_ptr, scale_ptr, amax_ptr, pre_ptr,
+    stride_h_m, stride_h_n, stride_y_m, stride_q_m, stride_q_t_n, stride_pre_m,
     M, N, rows_per_group,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr,  # write h + bias (the pre-activation the backward needs); may alias h
     STORE_Y: tl.constexpr,
     FP8_FORMAT: tl.constexpr,  # 0: no FP8 copy
     TRANSPOSE: tl.constexpr,
@@ -52,6 +53,11 @@ def _bias_act_kernel(
                     mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             h += bias[None, :]
+        if STORE_PRE:
+            # The activation reads the rounded pre-activation, as the unfused addmm -> act would.
+            h = h.to(pre_ptr.dtype.element_ty)
+            tl.store(pre_ptr + offs_m[:, None] * stride_pre_m + offs_n[None, :], h, mask=mask)
+            h = h.to(tl.float32)
         y = act_forward(h, ACTIVATION)
         if STORE_Y:
             # Rounded to the output dtype first, so the FP8 copy quantizes exactly what is returned.
@@ -70,10 +76,9 @@ def _bias_act_kernel(
         tl.atomic_max(amax_ptr, tl.max(amax_acc))
 
 
-@triton_op("lightning_fuse::bias_act", mutates_args={"amax"})
-def _bias_act_op(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, out_dtype: torch.dtype,
-                 store_y: bool, scale: Optional[torch.Tensor], fp8_code: int, amax: Optional[torch.Tensor],
-                 transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bias_act_impl(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, out_dtype: torch.dtype,
+                   store_y: bool, scale: Optional[torch.Tensor], fp8_code: int, amax: Optional[torch.Tensor],
+                   transpose: bool, pre_act_out: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = h.shape
     dev = h.device
     y = torch.empty((m, n) if store_y else (0, 0), dtype=out_dtype, device=dev)
@@ -85,15 +90,19 @@ def _bias_act_op(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int,
         groups = -(-m // rows_per_group)
         wrap_triton(_bias_act_kernel)[(triton.cdiv(n, cfg.block_n), groups)](
             h, bias if bias is not None else h, y, q, q_t, scale if scale is not None else h,
-            amax if amax is not None else h,
+            amax if amax is not None else h, pre_act_out if pre_act_out is not None else h,
             h.stride(0), h.stride(1), y.stride(0) if store_y else 0, q.stride(0) if fp8_code else 0,
-            q_t.stride(0) if transpose else 0,
+            q_t.stride(0) if transpose else 0, pre_act_out.stride(0) if pre_act_out is not None else 0,
             m, n, rows_per_group,
-            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_Y=store_y, FP8_FORMAT=fp8_code,
+            ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=pre_act_out is not None,
+            STORE_Y=store_y, FP8_FORMAT=fp8_code,
             TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, USE_PTX=use_ptx_encoder(h),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     return y, q, q_t
+
+
+_bias_act_op = triton_op("lightning_fuse::bias_act", _bias_act_impl, mutates_args={"amax", "pre_act_out"})
 
 
 def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str], *,
@@ -120,7 +129,8 @@ def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation
 
 def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = "gelu_tanh", *,
              scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
-             amax: Optional[torch.Tensor] = None, transpose: bool = False):
+             amax: Optional[torch.Tensor] = None, transpose: bool = False,
+             pre_act_out: Optional[torch.Tensor] = None):
     """``y = act(h + bias)`` in ``h``'s dtype, plus the FP8 copy of ``y`` for the next FP8 linear.
 
     Args:
@@ -128,6 +138,8 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
         bias: ``(N,)`` added in fp32 before the activation, or ``None`` where the GEMM added it.
         activation: an activation name (see ``ACTIVATIONS``) or ``None`` for the bias add alone.
         scale, fp8_dtype, amax, transpose: as in ``quantize``, applied to ``y``.
+        pre_act_out: receives ``h + bias`` in its dtype (the pre-activation a backward needs); it may be
+            ``h`` itself (written in place). Same shape as ``h``, rows contiguous.
 
     Returns:
         ``(y, y_fp8, y_fp8_t)``; the FP8 entries are ``None`` without ``fp8_dtype`` / ``transpose``.
@@ -148,14 +160,25 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
     elif transpose or scale is not None:
         raise ValueError("`scale` and `transpose` describe the FP8 copy: pass `fp8_dtype` with them")
     check_amax(amax, h.device)
+    if pre_act_out is not None:
+        check_float_tensor(pre_act_out, "pre_act_out")
+        if pre_act_out.shape != h.shape or pre_act_out.stride(-1) != 1:
+            raise ValueError(f"`pre_act_out` must have `h`'s shape {tuple(h.shape)} with contiguous rows; got shape "
+                             f"{tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
     leading = h.shape[:-1]
     h2 = as_rows(h)
     if not use_triton(h2):
+        if pre_act_out is not None:
+            pre = h2.to(torch.float32) + (bias.to(torch.float32) if bias is not None else 0.0)
+            pre_act_out.copy_(pre.view_as(pre_act_out))
+            h2, bias = as_rows(pre_act_out), None
         y, q, q_t = bias_act_reference(h2, bias, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
                                        transpose=transpose)
         return y.view(*leading, n), (q.view(*leading, n) if q is not None else None), q_t
-    y, q, q_t = _bias_act_op(h2, bias.contiguous() if bias is not None else None, act, h.dtype, True,
-                             scale.reshape(()) if scale is not None else None, code, amax, transpose)
+    op = _bias_act_op if torch.compiler.is_compiling() else _bias_act_impl
+    y, q, q_t = op(h2, bias.contiguous() if bias is not None else None, act, h.dtype, True,
+                   scale.reshape(()) if scale is not None else None, code, amax, transpose,
+                   as_rows(pre_act_out) if pre_act_out is not None else None)
     fp8 = _FORMAT_DTYPES.get(code)
     return (y.view(*leading, n), q.view(fp8).view(*leading, n) if code else None,
             q_t.view(fp8) if transpose else None)

@@ -31,11 +31,13 @@ from torch import nn
 
 from lightning_fuse.kernels import (
     ACTIVATIONS,
+    bias_act,
     dact_dbias_quantize,
     dact_dbias_quantize_current_scaling,
     dbias_quantize,
     quantize,
     quantize_current_scaling,
+    use_triton,
 )
 
 from .autocast import active_context
@@ -125,15 +127,24 @@ def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-               out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
-    """``(a * scale_a) @ (b * scale_b) (+ bias)``: ``a`` row-major, ``b`` column-major, per-tensor scales."""
-    if bias is not None and out_dtype not in (torch.bfloat16, torch.float16):
-        out = torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()), out_dtype=out_dtype,
-                               use_fast_accum=fast_accum)
-        return out + bias.to(out_dtype)
-    return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
-                            bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype,
+               out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)``: ``a`` row-major, ``b`` column-major, per-tensor scales.
+
+    No bias epilogue: cuBLASLt answered CUBLAS_STATUS_NOT_SUPPORTED for FP8 with a bias on the H200
+    (torch 2.11, CUDA 13); the bias is added in the activation pass instead.
+    """
+    return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()), out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
+
+
+def _add_bias_and_activate(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]):
+    """``(pre_act, y)``: the bias added to the GEMM output in place, then the activation (one pass on GPUs)."""
+    if activation and use_triton(h):
+        y, _, _ = bias_act(h, bias, activation, pre_act_out=h)
+        return h, y
+    if bias is not None:
+        h.add_(bias.to(h.dtype))
+    return h, (activation_forward(h, activation) if activation else h)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -156,9 +167,9 @@ class _FP8LinearFunction(torch.autograd.Function):
                                                             transpose=need_wgrad, margin=recipe.margin)
             scale_inv_x = scale_x.reciprocal()
         w_nk, w_kn, scale_inv_w = module._fp8_weight(plan)
-        h = _scaled_mm(xq, w_nk.t(), scale_inv_x, scale_inv_w, plan.dtype, bias=bias, fast_accum=True)
+        h = _scaled_mm(xq, w_nk.t(), scale_inv_x, scale_inv_w, plan.dtype, fast_accum=True)
         activation = module.activation
-        y = activation_forward(h, activation) if activation else h
+        h, y = _add_bias_and_activate(h, bias, activation)
         ctx.plan = plan
         ctx.leading = leading
         ctx.has_bias = bias is not None

@@ -19,6 +19,7 @@ def fp8_step(values: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor, *, min_exact: float = 0.99) -> None:
     """At least ``min_exact`` of the elements bit-exact (one element may differ in a tiny tensor),
     every element within one FP8 step."""
+    actual, expected = actual.cpu(), expected.cpu()
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     if actual.numel() == 0:

@@ -31,18 +31,28 @@ def fuse_callback_exists() -> bool:
     return hasattr(lightning_fuse, "FusedBackwardCallback")
 
 
-# Every training test runs once per entry: without the callback, and with it (as configured by
-# configs/callbacks/fused_backward.yaml) once lightning_fuse provides it.
-FUSE_MODES = [
-    pytest.param(["fuse=null"], id="fuse-off"),
-    pytest.param(
-        [],
-        id="fuse-on",
-        marks=pytest.mark.skipif(
-            not fuse_callback_exists(), reason="lightning_fuse.FusedBackwardCallback not written yet"
+@pytest.fixture(
+    params=[
+        pytest.param(["fuse=null"], id="fuse-off"),
+        pytest.param(
+            [],
+            id="fuse-on",
+            marks=pytest.mark.skipif(
+                not fuse_callback_exists(), reason="lightning_fuse.FusedBackwardCallback not written yet"
+            ),
         ),
-    ),
-]
+    ]
+)
+def fuse(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Overrides that run a training test without the callback, and with it as configs/ set it up.
+
+    On CPU the callback's modules run the kernels' pure-torch references here, not the Triton
+    interpreter (10-100x slower): these tests check the example's wiring; tests/test_kernels.py
+    runs the kernels themselves under the interpreter.
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    return request.param
+
 
 # the tiny preset, shortened: a few seconds per run on two CPU cores
 QUICK = [
@@ -54,6 +64,10 @@ QUICK = [
     "trainer.enable_model_summary=false",
     "data.max_bytes=300_000",
 ]
+
+
+# for tests that train twice: the second run (or both) only needs to show where it starts
+SHORT = ["trainer.max_steps=10", "trainer.val_check_interval=10"]
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -195,7 +209,6 @@ def test_lr_schedule_warms_up_then_decays_to_min() -> None:
 # training
 
 
-@pytest.mark.parametrize("fuse", FUSE_MODES)
 @pytest.mark.parametrize("source", ["native", "hf"])
 def test_tiny_run_learns(tmp_path: Path, source: str, fuse: list[str]) -> None:
     result = train(quick_config(tmp_path, [f"model.source={source}", *fuse]))
@@ -213,23 +226,20 @@ def test_final_validation_and_checkpoint_when_the_schedule_misses_the_last_step(
     assert torch.load(result.checkpoint_path, weights_only=True)["global_step"] == 20
 
 
-@pytest.mark.parametrize("fuse", FUSE_MODES)
 def test_init_from_a_checkpoint_continues_from_its_weights(tmp_path: Path, fuse: list[str]) -> None:
     first = train(quick_config(tmp_path / "first", fuse))
     # different model sizes on the command line: a checkpoint's own architecture wins
-    second = train(
-        quick_config(tmp_path / "second", [f"init_from={first.checkpoint_path}", "model.n_layer=5", *fuse])
-    )
+    overrides = [f"init_from={first.checkpoint_path}", "model.n_layer=5", *SHORT, *fuse]
+    second = train(quick_config(tmp_path / "second", overrides))
     # same seed, so the same validation blocks: the second run starts where the first ended
     assert second.val_loss_init == pytest.approx(first.val_loss, abs=1e-4)
     assert second.val_loss < first.val_loss
 
 
-@pytest.mark.parametrize("fuse", FUSE_MODES)
 def test_init_from_a_local_hf_directory(tmp_path: Path, fuse: list[str]) -> None:
     hf_dir = save_tiny_hf_gpt2(tmp_path / "hf")
     results = {
-        source: train(quick_config(tmp_path / source, [f"init_from={hf_dir}", f"model.source={source}", *fuse]))
+        source: train(quick_config(tmp_path / source, [f"init_from={hf_dir}", f"model.source={source}", *SHORT, *fuse]))
         for source in ("native", "hf")
     }
     # both sources start from the same weights, so they see the same loss at init

@@ -35,12 +35,14 @@ def _poison(nbytes: int) -> None:
 def test_fused_kernel_at_training_sizes(dtype, fp8_dtype, activation, m, n):
     grad = torch.randn(m, n, device="cuda", dtype=dtype)
     pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
-    scale = torch.tensor(float(2 ** 10 if fp8_dtype == E5M2 else 64), device="cuda")
+    dx64 = grad.double() * activation_derivative_reference(pre.double(), activation)
+    # Half the format's range above the largest value: no saturation, so SQNR measures rounding.
+    fmax = 57344.0 if fp8_dtype == E5M2 else 448.0
+    scale = (fmax / 2 / dx64.abs().max()).float()
     amax = torch.zeros(1, device="cuda")
     _poison(2 * m * n)
     dx, dx_t, dbias = dact_dbias_quantize(grad, pre, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
                                           transpose=True)
-    dx64 = grad.double() * activation_derivative_reference(pre.double(), activation)
     assert_fp8_close(dx, quantize_reference(dx64, scale.double(), fp8_dtype))
     # Every element of the transposed copy.
     assert torch.equal(dx_t.view(torch.uint8), dx.view(torch.uint8).t())
@@ -82,16 +84,14 @@ def test_scaled_mm_layouts_the_modules_use():
     dy_t = dy.t().contiguous()
     x_t = x.t().contiguous()
     f = lambda t: t.float()  # noqa: E731
-    # forward: x (M, K) row-major @ W^T (K, N) column-major
-    out = torch._scaled_mm(x, w_nk.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.bfloat16)
-    torch.testing.assert_close(out.float(), (f(x) @ f(w_nk).t()).bfloat16().float(), rtol=1e-2, atol=1e-2)
-    # forward with the bias epilogue (bf16 bias, bf16 out)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    out_b = torch._scaled_mm(x, w_nk.t(), scale_a=_one(), scale_b=_one(), bias=bias, out_dtype=torch.bfloat16)
-    torch.testing.assert_close(out_b.float(), out.float() + bias.float(), rtol=1e-2, atol=5e-2)
+    # forward: x (M, K) row-major @ W^T (K, N) column-major, bf16 out (fast accumulation, as used)
+    out = torch._scaled_mm(x, w_nk.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.bfloat16,
+                           use_fast_accum=True)
+    expected = f(x) @ f(w_nk).t()
+    assert ((out.float() - expected).norm() / expected.norm()).item() < 4e-3
     # dgrad: dy (M, N) e5m2 row-major @ W (N, K) column-major (from the (K, N) copy)
-    dx = torch._scaled_mm(dy, w_kn.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.bfloat16)
-    torch.testing.assert_close(dx.float(), (f(dy) @ f(w_nk)).bfloat16().float(), rtol=1e-2, atol=1e-1)
+    dx = torch._scaled_mm(dy, w_kn.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.float32)
+    torch.testing.assert_close(dx, f(dy) @ f(w_nk), rtol=1e-4, atol=1e-3)
     # wgrad: dy^T (N, M) e5m2 row-major @ x (M, K) column-major, fp32 out (master weights)
     dw = torch._scaled_mm(dy_t, x_t.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.float32)
     torch.testing.assert_close(dw, f(dy).t() @ f(x), rtol=1e-4, atol=1e-3)
@@ -114,8 +114,8 @@ def test_scaled_mm_requirements():
     with pytest.raises(RuntimeError):
         torch._scaled_mm(_fp8((16, k), E4M3), _fp8((24, k), E4M3).t(), scale_a=_one(), scale_b=_one(),
                          out_dtype=torch.bfloat16)
-    # e5m2 x e5m2 is rejected by cuBLAS (the modules never pair two gradients).
-    with pytest.raises(RuntimeError):
+    # e5m2 x e5m2 is rejected (the modules never pair two gradients).
+    with pytest.raises((RuntimeError, ValueError)):
         torch._scaled_mm(_fp8((16, k), E5M2), _fp8((n, k), E5M2).t(), scale_a=_one(), scale_b=_one(),
                          out_dtype=torch.bfloat16)
     # The second operand must be column-major.
@@ -127,7 +127,7 @@ def test_scaled_mm_requirements():
 # -- the modules' FP8 path --------------------------------------------------------------------------
 
 
-class _Conv1D(nn.Module):
+class Conv1D(nn.Module):
     """HF's Conv1D layout ((in, out) weight), defined here so the test does not need transformers."""
 
     def __init__(self, nf, nx):
@@ -145,7 +145,7 @@ def _reference_grads(linear, activation, x, dy):
     w = linear.weight.detach().double().requires_grad_()
     b = linear.bias.detach().double().requires_grad_() if linear.bias is not None else None
     xr = x.detach().double().requires_grad_()
-    wt = w if isinstance(linear, _Conv1D) else w.t()
+    wt = w if isinstance(linear, Conv1D) else w.t()
     h = xr @ wt + (b if b is not None else 0)
     y = h if activation is None else {
         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
@@ -161,7 +161,7 @@ def _reference_grads(linear, activation, x, dy):
 def test_fp8_module_gradients(recipe, layout, activation, tokens):
     torch.manual_seed(0)
     k, n = 256, 512
-    linear = (nn.Linear(k, n) if layout == "linear" else _Conv1D(n, k)).cuda()
+    linear = (nn.Linear(k, n) if layout == "linear" else Conv1D(n, k)).cuda()
     module = (FusedLinearBiasActivation(linear, activation) if activation else FP8Linear(linear)).cuda()
     state = FP8ScalingState()
     module.bind_fp8_state(state, "layer")

@@ -1,0 +1,90 @@
+"""``FusedBackwardCallback`` under DDP: two CPU processes (gloo) started by Lightning's ``ddp_spawn``.
+
+Every rank must fuse the same modules, take rank 0's benchmark decisions, keep identical FP8 scales
+(amaxes are all-reduced before each update) and end where one process on the global batch ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_fuse import DelayedScaling, FusedBackwardCallback
+
+from boring_models import ShardedMLPModel
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+STEPS = 3
+
+
+class _SaveRankResult(Callback):
+    """Writes what one rank ended with to ``rank<N>.pt`` (the spawned processes share nothing else)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        (fuse,) = [c for c in trainer.callbacks if isinstance(c, FusedBackwardCallback)]
+        result = {
+            "types": {name: type(m).__name__ for name, m in pl_module.named_modules()},
+            "fused": {name: m.fused for name, m in fuse._modules.items()},
+            "decisions": fuse.decisions,
+            "speedups": fuse.speedups,
+            "fp8_state": fuse.state.state_dict(),
+            "params": {name: value.detach().clone() for name, value in pl_module.state_dict().items()},
+        }
+        torch.save(result, self.directory / f"rank{trainer.global_rank}.pt")
+
+
+def _train(directory: Path, devices: int, benchmark: str) -> list[dict[str, Any]]:
+    directory.mkdir()
+    torch.manual_seed(0)
+    # The same global batch of 4: two ranks of 2, or one process of 4.
+    model = ShardedMLPModel(batch_size=4 // devices)
+    callback = FusedBackwardCallback(recipe=DelayedScaling(amax_history_len=4), emulate=True, benchmark=benchmark)
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+                      use_distributed_sampler=False, default_root_dir=directory, max_steps=STEPS, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0,
+                      callbacks=[callback, _SaveRankResult(directory)])
+    trainer.fit(model)
+    return [torch.load(directory / f"rank{rank}.pt", weights_only=True) for rank in range(devices)]
+
+
+def test_ddp_ranks_agree_and_match_one_process(tmp_path):
+    # benchmark="log": rank 0 measures and broadcasts, and every module stays fused, so FP8 runs.
+    rank0, rank1 = _train(tmp_path / "ddp", devices=2, benchmark="log")
+    (single,) = _train(tmp_path / "single", devices=1, benchmark="off")
+
+    # Every rank swapped the same modules and took rank 0's measurements and decisions.
+    assert rank0["types"] == rank1["types"] == single["types"]
+    assert [rank0["types"][name] for name in ("mlp.0", "mlp.1", "mlp.2")] == \
+        ["FusedLinearBiasActivation", "Identity", "FP8Linear"]
+    assert rank0["speedups"] == rank1["speedups"] and rank0["speedups"].keys() == {"mlp.0", "mlp.2"}
+    assert rank0["decisions"] == rank1["decisions"] == {"mlp.0": True, "mlp.2": True}
+    assert rank0["fused"] == rank1["fused"] == {"mlp.0": True, "mlp.2": True}
+
+    # Amaxes are all-reduced before each update: the FP8 states are identical, not merely close.
+    state0, state1 = rank0["fp8_state"], rank1["fp8_state"]
+    assert state0["generation"] == state1["generation"] == STEPS
+    for key, value in state0.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, state1[key]), key
+    assert all(torch.equal(value, rank1["params"][name]) for name, value in rank0["params"].items())
+
+    # One process on the global batch: the same forward scales (max over the ranks' inputs is the max
+    # over the whole batch); gradient scales half as large on each rank, whose loss is a mean over half
+    # the batch (so its gradients are twice one process's).
+    torch.testing.assert_close(state0["forward.scale"], single["fp8_state"]["forward.scale"], rtol=1e-3, atol=0)
+    torch.testing.assert_close(2 * state0["backward.scale"], single["fp8_state"]["backward.scale"], rtol=1e-2, atol=0)
+    # The parameters agree to FP8 rounding: the first step quantizes gradients with scale 1, where
+    # e5m2 rounds a value and its double differently in the subnormal range.
+    for name, value in single["params"].items():
+        torch.testing.assert_close(rank0["params"][name], value, rtol=0, atol=3e-4, msg=lambda m: f"{name}: {m}")

@@ -117,6 +117,7 @@ class FusedBackwardCallback(Callback):
         self._capture: dict[str, tuple[int, torch.dtype]] = {}
         self._capture_handles: list = []
         self._last_update_step = -1
+        self._stepped = False  # an optimizer step happened since the last on_train_batch_end
         self._steps_since_log = 0
         self._log_clock = time.perf_counter()
 
@@ -171,7 +172,10 @@ class FusedBackwardCallback(Callback):
     def _measure(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype]]) -> None:
         decisions: Optional[dict[str, Any]] = None
         if trainer.is_global_zero:
-            decisions = self._measure_here(trainer, captured)
+            device = trainer.strategy.root_device
+            # The measurement draws random weights and inputs: it must not move the training's RNG.
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                decisions = self._measure_here(trainer, captured)
         decisions = trainer.strategy.broadcast(decisions, src=0)
         self.speedups = dict(decisions["speedups"])
         self.decisions = dict(decisions["fused"])
@@ -184,11 +188,14 @@ class FusedBackwardCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         self._print_table()
+        self._reset_clock()
 
     def _measure_here(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype]]) -> dict[str, Any]:
         device = trainer.strategy.root_device
         by_shape: dict = {}
         for name, module in self._modules.items():
+            if module.activation is None and (self.recipe is None or module.fp8_reason):
+                continue  # an FP8Linear that cannot run FP8 computes exactly what nn.Linear does
             tokens, dtype = captured.get(name, (self.benchmark_tokens or _DEFAULT_TOKENS, module.weight.dtype))
             by_shape.setdefault(shape_key(module, max(1, tokens), dtype), []).append(name)
         speedups: dict[str, float] = {}
@@ -218,6 +225,13 @@ class FusedBackwardCallback(Callback):
             self._context.close()
             self._context = None
 
+    def _reset_clock(self) -> None:
+        self._log_clock, self._steps_since_log = time.perf_counter(), 0
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset_clock()
+
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._should_measure() and not self._capture_handles:
@@ -233,9 +247,11 @@ class FusedBackwardCallback(Callback):
                 handle.remove()
             self._capture_handles = []
             self._measure(trainer, self._capture)
+        if not self._stepped:
+            return  # gradient accumulation: no optimizer step yet
+        self._stepped = False
         self._steps_since_log += 1
-        stepped = self._last_update_step == trainer.global_step - 1
-        if stepped and trainer.global_step % self.log_every_n_steps == 0:
+        if trainer.global_step % self.log_every_n_steps == 0:
             self._log_health(trainer)
 
     @override
@@ -244,6 +260,7 @@ class FusedBackwardCallback(Callback):
         if self._last_update_step == trainer.global_step:
             return
         self._last_update_step = trainer.global_step
+        self._stepped = True
         if self.state is not None and isinstance(self.recipe, DelayedScaling) and self.state.groups:
             self.state.update(self.recipe)
 

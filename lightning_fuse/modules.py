@@ -266,6 +266,11 @@ class FP8LinearBase(nn.Module):
         self._weight_cache: Optional[tuple] = None
         self._recompute: Optional[Recipe] = None
 
+    def __getstate__(self) -> dict:
+        # The FP8 weight copies are a cache (float8 storages do not unpickle in torch 2.13): drop them.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_weight_cache": None}
+
     def bind_fp8_state(self, state: FP8ScalingState, name: str) -> None:
         """Registers this module's three FP8 tensors in the model's ``state`` under ``name``."""
         self.fp8_state = state

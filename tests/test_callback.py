@@ -301,9 +301,6 @@ def test_gradient_accumulation_updates_scales_once_per_optimizer_step(tmp_path):
     assert history[1, 0].item() == x[6:12].abs().max().item()
 
 
-@pytest.mark.xfail(strict=True, reason="on_train_batch_end tests `_last_update_step == global_step - 1`, which stays "
-                                       "true for every micro-batch after a step (and before the first one), so "
-                                       "health is logged at steps [0, 0, 1, 1, 1, 2]")
 def test_health_is_logged_once_per_optimizer_step_with_accumulation(tmp_path):
     torch.manual_seed(0)
     logger = mock_logger(tmp_path)
@@ -406,9 +403,6 @@ def test_health_every_n_steps(tmp_path):
     assert all(metrics.keys() == HEALTH_METRICS for _, metrics in calls)
 
 
-@pytest.mark.xfail(strict=True, reason="the step clock starts in __init__, not at on_train_start, so the first "
-                                       "fuse/step_time_ms includes everything between building the callback and "
-                                       "the first step (model and data set-up, sanity check, the benchmark)")
 def test_first_step_time_excludes_time_before_fit(tmp_path):
     torch.manual_seed(0)
     logger = mock_logger(tmp_path)
@@ -505,8 +499,6 @@ def test_benchmark_measures_the_real_token_count(tmp_path):
     assert {key.input_dtype for key in keys} == {torch.float32}
 
 
-@pytest.mark.xfail(strict=True, reason="the measurement draws from the global RNG (weight init, inputs), so "
-                                       "turning the benchmark on changes dropout masks of the training that follows")
 def test_benchmark_does_not_change_training(tmp_path):
     def train(benchmark: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
@@ -530,9 +522,6 @@ def test_fp8_eval_runs_validation_under_the_recipe(tmp_path, fp8_eval):
     assert math.isfinite(metrics["val_loss"])
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="FP8LinearBase pickles its `_weight_cache` (float8 tensors), which plain pickle cannot "
-                          "load back in torch 2.13 ('UntypedStorage' has no attribute 'dtype')")
 def test_model_pickles_after_fp8_training(tmp_path):
     torch.manual_seed(0)
     model = BoringMLPModel()

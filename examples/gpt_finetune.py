@@ -1,6 +1,6 @@
 """Train or fine-tune a GPT with PyTorch Lightning, with lightning-fuse's FP8 fused backward on.
 
-    python examples/gpt_finetune.py                              # tiny model, CPU, about a minute
+    python examples/gpt_finetune.py                              # tiny model on CPU, well under a minute
     python examples/gpt_finetune.py fuse=null                    # the same without the callback
     python examples/gpt_finetune.py experiment=gpt2_xl_fp8       # GPT-2 XL width on one H200
     python examples/gpt_finetune.py fuse.recipe.amax_history_len=16 fuse.convert=all

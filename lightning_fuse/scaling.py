@@ -34,13 +34,24 @@ __all__ = ["FP8ScalingState"]
 _GROUPS = ("forward", "backward")
 
 
+def _aligned(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (1-D fp32) copied into a view whose elements sit 16 bytes apart.
+
+    cuBLASLt answers CUBLAS_STATUS_NOT_SUPPORTED for an FP8 GEMM whose scale pointer is not 16-byte
+    aligned (seen on an H200, torch 2.11): each slot's scale must be usable on its own.
+    """
+    storage = torch.zeros(values.shape[0], 4, dtype=torch.float32, device=values.device)
+    storage[:, 0] = values
+    return storage[:, 0]
+
+
 class _Group:
     """History, scales and non-finite counters of one kind of tensor (forward or backward)."""
 
     def __init__(self, history_len: int, slots: int, device: torch.device) -> None:
         self.history = torch.zeros(history_len, slots, dtype=torch.float32, device=device)
-        self.scale = torch.ones(slots, dtype=torch.float32, device=device)
-        self.scale_inv = torch.ones(slots, dtype=torch.float32, device=device)
+        self.scale = _aligned(torch.ones(slots, dtype=torch.float32, device=device))
+        self.scale_inv = _aligned(torch.ones(slots, dtype=torch.float32, device=device))
         self.nonfinite = torch.zeros(slots, dtype=torch.int64, device=device)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -83,7 +94,7 @@ class FP8ScalingState:
         if fwd.history.device != device:
             for group in self.groups.values():
                 for key, value in group.tensors().items():
-                    setattr(group, key, value.to(device))
+                    setattr(group, key, _aligned(value.to(device)) if key.startswith("scale") else value.to(device))
         if self.history_len != history_len:
             for group in self.groups.values():
                 old = group.history
@@ -127,8 +138,8 @@ class FP8ScalingState:
         usable = finite & (amax > 0)
         scale = torch.where(usable, fp8_max / amax.clamp_min(torch.finfo(torch.float32).tiny) / (2.0 ** recipe.margin),
                             group.scale)
-        group.scale = scale
-        group.scale_inv = scale.reciprocal()
+        group.scale = _aligned(scale)
+        group.scale_inv = _aligned(scale.reciprocal())
         group.history = torch.roll(history, 1, dims=0)
         group.history[0].zero_()
 
@@ -172,4 +183,5 @@ class FP8ScalingState:
         for name, group in self.groups.items():
             device = group.history.device
             for key in group.tensors():
-                setattr(group, key, state[f"{name}.{key}"].to(device).clone())
+                value = state[f"{name}.{key}"].to(device)
+                setattr(group, key, _aligned(value) if key.startswith("scale") else value.clone())

@@ -89,15 +89,23 @@ def test_scaled_mm_layouts_the_modules_use():
                            use_fast_accum=True)
     expected = f(x) @ f(w_nk).t()
     assert ((out.float() - expected).norm() / expected.norm()).item() < 4e-3
+    # A scale pointer that is not 16-byte aligned is refused: the FP8 state keeps its scales 16 bytes apart.
+    unaligned = torch.ones(2, device="cuda")[1]
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_NOT_SUPPORTED"):
+        torch._scaled_mm(x, w_nk.t(), scale_a=unaligned, scale_b=_one(), out_dtype=torch.bfloat16)
     # dgrad: dy (M, N) e5m2 row-major @ W (N, K) column-major (from the (K, N) copy)
+    # (Hopper's FP8 tensor cores accumulate with fewer bits than fp32: compare norms, not elements.)
+    def close(out, expected):
+        return ((out.float() - expected).norm() / expected.norm()).item() < 4e-3
+
     dx = torch._scaled_mm(dy, w_kn.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.float32)
-    torch.testing.assert_close(dx, f(dy) @ f(w_nk), rtol=1e-4, atol=1e-3)
+    assert close(dx, f(dy) @ f(w_nk))
     # wgrad: dy^T (N, M) e5m2 row-major @ x (M, K) column-major, fp32 out (master weights)
     dw = torch._scaled_mm(dy_t, x_t.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.float32)
-    torch.testing.assert_close(dw, f(dy).t() @ f(x), rtol=1e-4, atol=1e-3)
+    assert close(dw, f(dy).t() @ f(x))
     # wgrad of a (K, N) Conv1D weight: x^T (K, M) e4m3 row-major @ dy (M, N) column-major
     dw_kn = torch._scaled_mm(x_t, dy_t.t(), scale_a=_one(), scale_b=_one(), out_dtype=torch.float32)
-    torch.testing.assert_close(dw_kn, f(x).t() @ f(dy), rtol=1e-4, atol=1e-3)
+    assert close(dw_kn, f(x).t() @ f(dy))
 
 
 def test_scaled_mm_requirements():

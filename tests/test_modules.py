@@ -283,3 +283,15 @@ def test_recipes_validate_their_fields():
         CurrentScaling(margin=-1)
     assert DelayedScaling(fp8_format="e4m3").backward_dtype == torch.float8_e4m3fn
     assert math.isclose(1.0, 1.0)
+
+
+def test_every_scale_is_16_byte_aligned_for_cublas():
+    # cuBLASLt refuses FP8 GEMMs whose scale pointer is not 16-byte aligned (see test_gpu.py).
+    module, state = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True))
+    recipe = DelayedScaling(amax_history_len=2)
+    for _ in range(2):
+        _step(module, torch.randn(16, 16), recipe)
+    for group in ("forward", "backward"):
+        for index in range(state.groups[group].scale.shape[0]):
+            scale, scale_inv, _ = state.slot(group, index)
+            assert scale.data_ptr() % 16 == 0 and scale_inv.data_ptr() % 16 == 0

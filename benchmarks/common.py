@@ -40,10 +40,14 @@ def graph_ms(fn: Callable[[], object], rep_ms: int = 200) -> float:
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), measured now."""
+    """Device-to-device copy bandwidth (bytes read + written per second), measured now.
+
+    Timed with plain CUDA events, not a CUDA graph: captured in a graph, ``copy_`` becomes a memcpy
+    node and ran at 2.77 TB/s on the H200 against 4.27 TB/s for the same copy launched directly.
+    """
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src))
+    ms = median_ms(lambda: dst.copy_(src))
     return 2 * nbytes / ms / 1e6
 
 

@@ -168,7 +168,9 @@ def _dact_dbias_quantize_impl(
     out_dtype = torch.uint8 if fp8_code else grad.dtype
     out = torch.empty((m, n), dtype=out_dtype, device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=grad.device)
-    dbias = torch.zeros((n if compute_dbias else 0,), dtype=torch.float32, device=grad.device)
+    # Every element is written by the partial-sum kernel; only an empty batch needs the zeros.
+    dbias = (torch.empty if m > 0 else torch.zeros)((n if compute_dbias else 0,), dtype=torch.float32,
+                                                     device=grad.device)
     if m > 0:
         _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, True,
                 LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes), out, out_t, dbias)

@@ -23,8 +23,22 @@ def _check_margin(margin: object) -> None:
         raise ValueError(f"`margin` must be a non-negative int (scale = fp8_max / amax / 2**margin); got {margin!r}")
 
 
+class _HybridFormats:
+    """The FP8 dtypes of a recipe's ``fp8_format``."""
+
+    fp8_format: str
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def backward_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
+
+
 @dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(_HybridFormats):
     """Scales from a history of past amaxes (TransformerEngine's delayed scaling).
 
     ``scale = fp8_max / amax / 2**margin`` where ``amax`` is the max (or the most recent entry) of
@@ -47,17 +61,9 @@ class DelayedScaling:
                              f"got {self.amax_compute_algo!r}")
         _check_margin(self.margin)
 
-    @property
-    def forward_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
-
-    @property
-    def backward_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
-
 
 @dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(_HybridFormats):
     """Scales from each tensor's own amax, computed just before it is cast (one extra read pass)."""
 
     fp8_format: str = "hybrid"  # "hybrid": e4m3 forward tensors, e5m2 gradients; "e4m3": e4m3 everywhere
@@ -66,14 +72,6 @@ class CurrentScaling:
     def __post_init__(self) -> None:
         _check_format(self.fp8_format)
         _check_margin(self.margin)
-
-    @property
-    def forward_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
-
-    @property
-    def backward_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
 
 
 Recipe = Union[DelayedScaling, CurrentScaling]

@@ -15,6 +15,19 @@ from torch import nn
 # -- MLPs that must be fused ------------------------------------------------------------------------
 
 
+class Conv1D(nn.Module):
+    """HF's Conv1D (an ``(in, out)`` weight), as transformers defines it, so tests need not import it."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * nx ** -0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
 class NanoGPTMLP(nn.Module):
     """nanoGPT's ``MLP``: ``c_fc -> GELU (exact) -> c_proj -> dropout``."""
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers_models import Conv1D
 from fp8_checks import assert_fp8_close, fp8_step, sqnr_db
 from lightning_fuse import CurrentScaling, DelayedScaling, FP8Linear, FP8ScalingState, FusedLinearBiasActivation
 from lightning_fuse import fp8_autocast
@@ -135,17 +136,6 @@ def test_scaled_mm_requirements():
 # -- the modules' FP8 path --------------------------------------------------------------------------
 
 
-class Conv1D(nn.Module):
-    """HF's Conv1D layout ((in, out) weight), defined here so the test does not need transformers."""
-
-    def __init__(self, nf, nx):
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * nx ** -0.5)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
 
 
 def _reference_grads(linear, activation, x, dy):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from helpers_models import Conv1D
 from fp8_checks import sqnr_db
 from lightning_fuse import (
     CurrentScaling,
@@ -25,17 +26,6 @@ from lightning_fuse import (
 from lightning_fuse.kernels import ACTIVATIONS, activation_reference
 
 
-class Conv1D(nn.Module):
-    """HF's Conv1D ((in, out) weight), as transformers defines it."""
-
-    def __init__(self, nf, nx):
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * nx ** -0.5)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
 
 
 def _bound(module, name="layer"):

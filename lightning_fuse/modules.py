@@ -41,7 +41,7 @@ from lightning_fuse.kernels import (
 )
 
 from .autocast import active_context
-from .recipe import CurrentScaling, DelayedScaling, Recipe
+from .recipe import DelayedScaling, Recipe
 from .scaling import FP8ScalingState
 
 __all__ = ["FP8Linear", "FP8LinearBase", "FusedLinearBiasActivation", "fp8_shape_reason", "is_linear_like", "linear_dims"]

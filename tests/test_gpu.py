@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from helpers_models import Conv1D
-from fp8_checks import assert_fp8_close, fp8_step, sqnr_db
+from fp8_checks import assert_fp8_close, sqnr_db
 from lightning_fuse import CurrentScaling, DelayedScaling, FP8Linear, FP8ScalingState, FusedLinearBiasActivation
 from lightning_fuse import fp8_autocast
 from lightning_fuse.kernels import (

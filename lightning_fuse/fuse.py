@@ -370,7 +370,7 @@ def fuse_(model: nn.Module, config: Union[FuseConfig, dict, DictConfig, None] = 
     Example::
 
         report = fuse_(model, FuseConfig(convert="mlp"), module_filter_fn=lambda m, fqn: "lm_head" not in fqn)
-        print(report)
+        report.table()  # every chain found, fused or why not
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")

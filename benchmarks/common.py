@@ -55,24 +55,20 @@ def unfused_dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, appro
                                 fp8_dtype: torch.dtype, amax: torch.Tensor, transpose: bool = True):
     """The PyTorch sequence the fused kernel replaces: gelu_backward, sum, amax, scaled saturating cast, transpose."""
     dx = torch.ops.aten.gelu_backward(grad, pre_act, approximate=approximate)
-    dbias = dx.sum(0, dtype=torch.float32)
-    torch.maximum(amax, dx.abs().max().float().reshape(1), out=amax)
-    fmax = FP8_MAX[fp8_dtype]
-    q = (dx.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
-    return q, (q.t().contiguous() if transpose else None), dbias
+    return unfused_dbias_quantize(dx, scale, fp8_dtype, amax, transpose)
 
 
 def unfused_dbias_quantize(grad: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor,
                            transpose: bool = True):
+    """sum, amax, scaled saturating cast, transpose."""
     dbias = grad.sum(0, dtype=torch.float32)
-    torch.maximum(amax, grad.abs().max().float().reshape(1), out=amax)
-    fmax = FP8_MAX[fp8_dtype]
-    q = (grad.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
-    return q, (q.t().contiguous() if transpose else None), dbias
+    q, q_t = unfused_quantize(grad, scale, fp8_dtype, amax, transpose)
+    return q, q_t, dbias
 
 
 def unfused_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor,
                      transpose: bool = True):
+    """amax, scaled saturating cast, transpose."""
     torch.maximum(amax, x.abs().max().float().reshape(1), out=amax)
     fmax = FP8_MAX[fp8_dtype]
     q = (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)

@@ -93,6 +93,12 @@ class LaunchConfig:
     groups: int  # programs along M; each walks ceil(M / groups) rows, tile by tile
     transpose_bytes: bool = False  # transpose 8-bit codes (True) or their int32 form (False) in shared memory
 
+    def row_groups(self, m: int) -> tuple[int, int]:
+        """``(rows_per_group, groups)`` for ``m`` rows: whole tiles per group, no empty group."""
+        rows = -(-m // self.groups)
+        rows = -(-rows // self.block_m) * self.block_m
+        return rows, -(-m // rows)
+
 
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int) -> int:

@@ -13,12 +13,9 @@ from torch.library import triton_op, wrap_triton
 
 from ._launch import as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_ptx_encoder, use_triton
 from .activations import act_forward, activation_id, activation_reference
-from .fp8 import FP8_FORMATS, fp8_codes, fp8_format
+from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
 
 __all__ = ["bias_act", "bias_act_reference"]
-
-_FORMAT_DTYPES = {fmt.code: fmt.dtype for fmt in FP8_FORMATS.values()}
-
 
 @triton.jit
 def _bias_act_kernel(
@@ -86,8 +83,7 @@ def _bias_act_impl(h: torch.Tensor, bias: Optional[torch.Tensor], activation: in
     q_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=dev)
     if m > 0:
         cfg = pick_config(m, n, dev)
-        rows_per_group = -(-(-(-m // cfg.groups)) // cfg.block_m) * cfg.block_m
-        groups = -(-m // rows_per_group)
+        rows_per_group, groups = cfg.row_groups(m)
         wrap_triton(_bias_act_kernel)[(triton.cdiv(n, cfg.block_n), groups)](
             h, bias if bias is not None else h, y, q, q_t, scale if scale is not None else h,
             amax if amax is not None else h, pre_act_out if pre_act_out is not None else h,
@@ -179,6 +175,6 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
     y, q, q_t = op(h2, bias.contiguous() if bias is not None else None, act, h.dtype, True,
                    scale.reshape(()) if scale is not None else None, code, amax, transpose,
                    as_rows(pre_act_out) if pre_act_out is not None else None)
-    fp8 = _FORMAT_DTYPES.get(code)
+    fp8 = FORMAT_DTYPES.get(code)
     return (y.view(*leading, n), q.view(fp8).view(*leading, n) if code else None,
             q_t.view(fp8) if transpose else None)

@@ -24,7 +24,7 @@ from torch.library import triton_op, wrap_triton
 
 from ._launch import LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_ptx_encoder, use_triton
 from .activations import act_derivative, activation_derivative_reference, activation_id
-from .fp8 import FP8_FORMATS, fp8_codes, fp8_format
+from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
 
 __all__ = [
     "dact_dbias_quantize",
@@ -32,9 +32,6 @@ __all__ = [
     "dact_dbias_quantize_reference",
     "dbias_quantize",
 ]
-
-_FORMAT_DTYPES = {fmt.code: fmt.dtype for fmt in FP8_FORMATS.values()}
-
 
 @triton.jit
 def _dact_dbias_quantize_kernel(
@@ -114,9 +111,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
             compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias) -> None:
     """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs."""
     m, n = grad.shape
-    rows_per_group = -(-m // config.groups)
-    rows_per_group = -(-rows_per_group // config.block_m) * config.block_m
-    groups = -(-m // rows_per_group)
+    rows_per_group, groups = config.row_groups(m)
     partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else dbias
     dummy = grad
     wrap_triton(_dact_dbias_quantize_kernel)[(triton.cdiv(n, config.block_n), groups)](
@@ -182,7 +177,7 @@ _dact_dbias_quantize_op = triton_op("lightning_fuse::dact_dbias_quantize", _dact
                                     mutates_args={"amax"})
 
 
-def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose):
+def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, scale_given_by_caller=True):
     check_float_tensor(grad, "grad")
     act = 0
     if activation is not None:
@@ -195,7 +190,8 @@ def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose):
     code = 0
     if fp8_dtype is not None:
         code = fp8_format(fp8_dtype).code
-        check_scale(scale, grad.device)
+        if scale_given_by_caller:
+            check_scale(scale, grad.device)
     elif scale is not None:
         raise ValueError("`scale` was given without `fp8_dtype`: pass the FP8 dtype to quantize into, or drop `scale`")
     if transpose and fp8_dtype is None:
@@ -220,8 +216,8 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
     out, out_t, dbias = op(g2, p2, act, scale.reshape(()) if scale is not None else None, code, amax, transpose,
                            compute_dbias, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups, cfg.transpose_bytes)
     if code:
-        out = out.view(_FORMAT_DTYPES[code])
-        out_t = out_t.view(_FORMAT_DTYPES[code]) if transpose else None
+        out = out.view(FORMAT_DTYPES[code])
+        out_t = out_t.view(FORMAT_DTYPES[code]) if transpose else None
     else:
         out_t = None
     return out.view(*leading, g2.shape[1]), out_t, (dbias if compute_dbias else None)
@@ -278,7 +274,9 @@ def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[to
         ``(dx, dx_t, dbias, amax, scale)`` with ``scale = fp8_max / amax / 2**margin`` (1 where the
         amax is zero or non-finite), ``amax`` and ``scale`` fp32 tensors of one element.
     """
-    act, code = _validate(grad, pre_act, activation, torch.ones((), device=grad.device), fp8_dtype, None, transpose)
+    if fp8_dtype is None:
+        raise ValueError("`fp8_dtype` is required: current scaling casts to torch.float8_e4m3fn or torch.float8_e5m2")
+    act, code = _validate(grad, pre_act, activation, None, fp8_dtype, None, transpose, scale_given_by_caller=False)
     fmt = fp8_format(fp8_dtype)
     amax = torch.zeros(1, dtype=torch.float32, device=grad.device)
     leading = grad.shape[:-1]

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8Format", "FP8_FORMATS", "fp8_codes", "fp8_encode", "fp8_encode_ptx", "fp8_format", "quantize_reference"]
+__all__ = ["FORMAT_DTYPES", "FP8Format", "FP8_FORMATS", "fp8_codes", "fp8_encode", "fp8_encode_ptx", "fp8_format", "quantize_reference"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ FP8_FORMATS: dict[torch.dtype, FP8Format] = {
     torch.float8_e4m3fn: FP8Format(torch.float8_e4m3fn, 1, 448.0, 3, 7),
     torch.float8_e5m2: FP8Format(torch.float8_e5m2, 2, 57344.0, 2, 15),
 }
+
+
+FORMAT_DTYPES: dict[int, torch.dtype] = {fmt.code: fmt.dtype for fmt in FP8_FORMATS.values()}  # by kernel code
 
 
 def fp8_format(fp8_dtype: object, argument: str = "fp8_dtype") -> FP8Format:

@@ -313,8 +313,8 @@ class FP8LinearBase(nn.Module):
             return None
         if not ctx.enabled:
             return None
-        name = self._fqn()
         if self.fp8_reason:
+            name = self._fqn()
             _warn_once(f"shape:{name}", f"{name}: running in high precision: {self.fp8_reason}")
             return None
         if not (_device_has_fp8(x.device) or (self.emulate and x.device.type == "cpu")):
@@ -329,7 +329,7 @@ class FP8LinearBase(nn.Module):
         if x.numel() == 0:
             return None
         if self.fp8_state is None:
-            raise RuntimeError(f"{name} has no FP8 state: create fused modules with fuse_(model), which registers "
+            raise RuntimeError(f"{self._fqn()} has no FP8 state: create fused modules with fuse_(model), which registers "
                                "them, or call bind_fp8_state")
         if isinstance(ctx.recipe, DelayedScaling):
             self.fp8_state.ensure(ctx.recipe.amax_history_len, x.device)

@@ -14,6 +14,7 @@ from .dact_dbias_quantize import (
 )
 from .fp8 import FP8_FORMATS, quantize_reference
 from .quantize import quantize, quantize_current_scaling
+from .scale_update import update_scales, update_scales_reference
 
 __all__ = [
     "ACTIVATIONS",
@@ -29,5 +30,7 @@ __all__ = [
     "quantize",
     "quantize_current_scaling",
     "quantize_reference",
+    "update_scales",
+    "update_scales_reference",
     "use_triton",
 ]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
+from torch.library import wrap_triton
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -15,6 +15,7 @@ __all__ = [
     "check_amax",
     "check_float_tensor",
     "check_scale",
+    "launcher",
     "pick_config",
     "use_ptx_encoder",
     "use_triton",
@@ -30,7 +31,26 @@ def use_ptx_encoder(t: torch.Tensor) -> bool:
     """
     if not t.is_cuda or os.environ.get("LIGHTNING_FUSE_FP8_ENCODER", "ptx") == "int":
         return False
-    return torch.cuda.get_device_capability(t.device) >= (8, 9)
+    return _capability(t.device) >= (8, 9)
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
+
+
+def launcher(kernel, traced: bool):
+    """How a launcher calls ``kernel``: through ``wrap_triton`` while ``torch.compile`` traces the
+    registered op (so the graph holds the kernel), directly in eager mode. The wrapped call in eager
+    mode goes through a higher-order-op dispatch that cost 0.6-2.5 ms of CPU time per launch on an
+    H200 host (benchmarks/bench_overhead.py), ten to eighty times the kernels' own device time.
+    """
+    return wrap_triton(kernel) if traced else kernel
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -100,9 +120,13 @@ class LaunchConfig:
         return rows, -(-m // rows)
 
 
-@functools.lru_cache(maxsize=None)
+_SM_COUNTS: dict[int, int] = {}  # a plain dict, which torch.compile reads as a constant (lru_cache it warns about)
+
+
 def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def pick_config(m: int, n: int, device: torch.device, *, block_m: int = 64, block_n: int = 64,
@@ -113,6 +137,20 @@ def pick_config(m: int, n: int, device: torch.device, *, block_m: int = 64, bloc
     registers; enough groups are made to give every multiprocessor several programs. The defaults
     are the fastest of a sweep on an H200 (benchmarks/bench_kernels.py --sweep, BENCHMARKS.md).
     """
+    if torch.compiler.is_compiling():  # sizes may be symbolic there (not hashable): no cache
+        return _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm)
+    key = (m, n, device.type, device.index, block_m, block_n, num_warps, programs_per_sm)
+    config = _CONFIGS.get(key)
+    if config is None:
+        config = _CONFIGS[key] = _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm)
+    return config
+
+
+_CONFIGS: dict[tuple, LaunchConfig] = {}  # per shape: a launch costs tens of microseconds, this should not add to it
+
+
+def _pick_config(m: int, n: int, device: torch.device, block_m: int, block_n: int, num_warps: int,
+                 programs_per_sm: int) -> LaunchConfig:
     if device.type != "cuda":
         # Interpreter: small tiles, so that tests cross tile edges and row groups.
         block_m, block_n, num_warps = 16, 32, 1

@@ -9,9 +9,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from ._launch import as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_ptx_encoder, use_triton
+from ._launch import (as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config, use_ptx_encoder,
+                      use_triton)
 from .activations import act_forward, activation_id, activation_reference
 from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
 
@@ -65,9 +66,11 @@ def _bias_act_kernel(
             amax_acc = tl.maximum(amax_acc, tl.where(y == y, tl.abs(y), float("inf")))
         if FP8_FORMAT != 0:
             codes = fp8_codes(y * scale, FP8_FORMAT, USE_PTX)
-            tl.store(q_ptr + offs_m[:, None] * stride_q_m + offs_n[None, :], codes.to(tl.uint8), mask=mask)
+            q_ptrs = q_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_q_m + offs_n[None, :]
+            tl.store(q_ptrs, codes.to(tl.uint8), mask=mask)
             if TRANSPOSE:
-                tl.store(q_t_ptr + offs_n[:, None] * stride_q_t_n + offs_m[None, :], tl.trans(codes).to(tl.uint8),
+                q_t_ptrs = q_t_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_q_t_n + offs_m[None, :]
+                tl.store(q_t_ptrs, tl.trans(codes).to(tl.uint8),
                          mask=tl.trans(mask))
     if COMPUTE_AMAX:
         tl.atomic_max(amax_ptr, tl.max(amax_acc))
@@ -75,16 +78,17 @@ def _bias_act_kernel(
 
 def _bias_act_impl(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, out_dtype: torch.dtype,
                    store_y: bool, scale: Optional[torch.Tensor], fp8_code: int, amax: Optional[torch.Tensor],
-                   transpose: bool, pre_act_out: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   transpose: bool, pre_act_out: Optional[torch.Tensor], traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = h.shape
     dev = h.device
     y = torch.empty((m, n) if store_y else (0, 0), dtype=out_dtype, device=dev)
-    q = torch.empty((m, n) if fp8_code else (0, 0), dtype=torch.uint8, device=dev)
-    q_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=dev)
+    q_dtype = FORMAT_DTYPES.get(fp8_code, torch.uint8)  # uint8: an empty placeholder without FP8
+    q = torch.empty((m, n) if fp8_code else (0, 0), dtype=q_dtype, device=dev)
+    q_t = torch.empty((n, m) if transpose else (0, 0), dtype=q_dtype, device=dev)
     if m > 0:
         cfg = pick_config(m, n, dev)
         rows_per_group, groups = cfg.row_groups(m)
-        wrap_triton(_bias_act_kernel)[(triton.cdiv(n, cfg.block_n), groups)](
+        launcher(_bias_act_kernel, traced)[(triton.cdiv(n, cfg.block_n), groups)](
             h, bias if bias is not None else h, y, q, q_t, scale if scale is not None else h,
             amax if amax is not None else h, pre_act_out if pre_act_out is not None else h,
             h.stride(0), h.stride(1), y.stride(0) if store_y else 0, q.stride(0) if fp8_code else 0,
@@ -171,10 +175,9 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
         y, q, q_t = bias_act_reference(h2, bias, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
                                        transpose=transpose)
         return y.view(*leading, n), (q.view(*leading, n) if q is not None else None), q_t
-    op = _bias_act_op if torch.compiler.is_compiling() else _bias_act_impl
+    traced = torch.compiler.is_compiling()
+    op = _bias_act_op if traced else _bias_act_impl
     y, q, q_t = op(h2, bias.contiguous() if bias is not None else None, act, h.dtype, True,
                    scale.reshape(()) if scale is not None else None, code, amax, transpose,
-                   as_rows(pre_act_out) if pre_act_out is not None else None)
-    fp8 = FORMAT_DTYPES.get(code)
-    return (y.view(*leading, n), q.view(fp8).view(*leading, n) if code else None,
-            q_t.view(fp8) if transpose else None)
+                   as_rows(pre_act_out) if pre_act_out is not None else None, traced)
+    return y.view(*leading, n), (q.view(*leading, n) if code else None), (q_t if transpose else None)

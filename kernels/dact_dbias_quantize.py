@@ -20,9 +20,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from ._launch import LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, pick_config, use_ptx_encoder, use_triton
+from ._launch import (LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config,
+                      use_ptx_encoder, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
 from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
 
@@ -76,19 +77,21 @@ def _dact_dbias_quantize_kernel(
             # NaN compares false everywhere, so it is mapped to +inf to survive the max.
             amax_acc = tl.maximum(amax_acc, tl.where(dx == dx, tl.abs(dx), float("inf")))
         if STORE_OUT:
-            out_ptrs = out_ptr + offs_m[:, None] * stride_out_m + offs_n[None, :]
             if FP8_FORMAT != 0:
                 # Integer codes, not fp8 values: see fp8.py for why the transposed copy needs it.
                 codes = fp8_codes(dx * scale, FP8_FORMAT, USE_PTX)
                 codes8 = codes.to(tl.uint8)
+                out_ptrs = out_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_out_m + offs_n[None, :]
                 tl.store(out_ptrs, codes8, mask=mask)
                 if TRANSPOSE:
-                    out_t_ptrs = out_t_ptr + offs_n[:, None] * stride_out_t_n + offs_m[None, :]
+                    out_t_ptrs = (out_t_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_out_t_n
+                                  + offs_m[None, :])
                     if TRANSPOSE_BYTES:
                         tl.store(out_t_ptrs, tl.trans(codes8), mask=tl.trans(mask))
                     else:
                         tl.store(out_t_ptrs, tl.trans(codes).to(tl.uint8), mask=tl.trans(mask))
             else:
+                out_ptrs = out_ptr + offs_m[:, None] * stride_out_m + offs_n[None, :]
                 tl.store(out_ptrs, dx.to(out_ptr.dtype.element_ty), mask=mask)
     if COMPUTE_DBIAS:
         tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
@@ -108,13 +111,13 @@ def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, BLOCK_N: tl.constexpr)
 
 
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
-            compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias) -> None:
+            compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool) -> None:
     """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs."""
     m, n = grad.shape
     rows_per_group, groups = config.row_groups(m)
     partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else dbias
     dummy = grad
-    wrap_triton(_dact_dbias_quantize_kernel)[(triton.cdiv(n, config.block_n), groups)](
+    launcher(_dact_dbias_quantize_kernel, traced)[(triton.cdiv(n, config.block_n), groups)](
         grad, pre_act if pre_act is not None else dummy, out, out_t if transpose else out, partials,
         scale if scale is not None else dummy, amax if amax is not None else dummy,
         grad.stride(0), grad.stride(1),
@@ -128,7 +131,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
     )
     if compute_dbias:
         block = 256 if grad.is_cuda else 32
-        wrap_triton(_sum_partials_kernel)[(triton.cdiv(n, block),)](partials, dbias, groups, n, BLOCK_N=block)
+        launcher(_sum_partials_kernel, traced)[(triton.cdiv(n, block),)](partials, dbias, groups, n, BLOCK_N=block)
 
 
 def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: str | None, *,
@@ -157,18 +160,18 @@ def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Te
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
-    block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool,
+    block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool, traced: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = grad.shape
-    out_dtype = torch.uint8 if fp8_code else grad.dtype
+    out_dtype = FORMAT_DTYPES[fp8_code] if fp8_code else grad.dtype
     out = torch.empty((m, n), dtype=out_dtype, device=grad.device)
-    out_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=grad.device)
+    out_t = torch.empty((n, m) if transpose else (0, 0), dtype=out_dtype, device=grad.device)
     # Every element is written by the partial-sum kernel; only an empty batch needs the zeros.
     dbias = (torch.empty if m > 0 else torch.zeros)((n if compute_dbias else 0,), dtype=torch.float32,
                                                      device=grad.device)
     if m > 0:
         _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, True,
-                LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes), out, out_t, dbias)
+                LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes), out, out_t, dbias, traced)
     return out, out_t, dbias
 
 
@@ -212,13 +215,12 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
         out = out.view(*leading, g2.shape[1])
         return out, out_t, (dbias if compute_dbias else None)
     cfg = pick_config(g2.shape[0], g2.shape[1], g2.device)
-    op = _dact_dbias_quantize_op if torch.compiler.is_compiling() else _dact_dbias_quantize_impl
+    traced = torch.compiler.is_compiling()
+    op = _dact_dbias_quantize_op if traced else _dact_dbias_quantize_impl
     out, out_t, dbias = op(g2, p2, act, scale.reshape(()) if scale is not None else None, code, amax, transpose,
-                           compute_dbias, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups, cfg.transpose_bytes)
-    if code:
-        out = out.view(FORMAT_DTYPES[code])
-        out_t = out_t.view(FORMAT_DTYPES[code]) if transpose else None
-    else:
+                           compute_dbias, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups, cfg.transpose_bytes,
+                           traced)
+    if not transpose:
         out_t = None
     return out.view(*leading, g2.shape[1]), out_t, (dbias if compute_dbias else None)
 
@@ -289,10 +291,11 @@ def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[to
         out, out_t, _ = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                       fp8_dtype=fp8_dtype, transpose=transpose)
         return out.view(*leading, n), out_t, (dbias if compute_dbias else None), amax, scale
-    op = _current_scaling_op if torch.compiler.is_compiling() else _current_scaling_impl
-    out, out_t, dbias = op(g2, p2, act, code, amax, transpose, fmt.max, margin, compute_dbias)
+    traced = torch.compiler.is_compiling()
+    op = _current_scaling_op if traced else _current_scaling_impl
+    out, out_t, dbias = op(g2, p2, act, code, amax, transpose, fmt.max, margin, compute_dbias, traced)
     scale = _scale_from_amax(amax, fmt.max, margin)
-    return (out.view(fp8_dtype).view(*leading, n), out_t.view(fp8_dtype) if transpose else None,
+    return (out.view(*leading, n), out_t if transpose else None,
             (dbias if compute_dbias else None), amax, scale)
 
 
@@ -303,18 +306,19 @@ def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.T
 
 def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, fp8_code: int,
                         amax: torch.Tensor, transpose: bool, fp8_max: float, margin: int, compute_dbias: bool,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = grad.shape
     cfg = pick_config(m, n, grad.device)
-    out = torch.empty((m, n), dtype=torch.uint8, device=grad.device)
-    out_t = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=grad.device)
+    out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
+    out_t = torch.empty((n, m) if transpose else (0, 0), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     dbias = torch.zeros((n if compute_dbias else 0,), dtype=torch.float32, device=grad.device)
     if m > 0:
         # Pass 1: amax (and bias gradient); nothing written per element.
-        _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, cfg, out, out_t, dbias)
+        _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, cfg, out, out_t, dbias, traced)
         scale = _scale_from_amax(amax, fp8_max, margin)
         # Pass 2: the FP8 copies with the scale pass 1 produced.
-        _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, cfg, out, out_t, dbias)
+        _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, cfg, out, out_t, dbias,
+                traced)
     return out, out_t, dbias
 
 

@@ -123,7 +123,20 @@ def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
     pad = -t.shape[1] % 16
     if not pad:
         return t
-    return F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
+    padded = t.new_zeros((t.shape[0], t.shape[1] + pad))
+    padded[:, :t.shape[1]] = t
+    return padded
+
+
+@torch.library.custom_op("lightning_fuse::scaled_mm", mutates_args=())
+def _scaled_mm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+@_scaled_mm_op.register_fake
+def _(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -131,8 +144,12 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
     """``(a * scale_a) @ (b * scale_b)``: ``a`` row-major, ``b`` column-major, per-tensor scales.
 
     No bias epilogue: cuBLASLt answered CUBLAS_STATUS_NOT_SUPPORTED for FP8 with a bias on the H200
-    (torch 2.11, CUDA 13); the bias is added in the activation pass instead.
+    (torch 2.11, CUDA 13); the bias is added in the activation pass instead. Under ``torch.compile``
+    the GEMM is an opaque op (the same cuBLASLt call): Inductor's own lowering of ``_scaled_mm``
+    failed an internal assertion on these operands with torch 2.11.
     """
+    if torch.compiler.is_compiling():
+        return _scaled_mm_op(a, b, scale_a.reshape(()), scale_b.reshape(()), out_dtype, fast_accum)
     return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()), out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 

@@ -17,7 +17,8 @@ Semantics of an update (delayed scaling):
 - the history rolls by one row and row 0 starts again from zero.
 
 Scales are replaced, not written in place: a backward pass still holding the scale its forward
-used sees the value it quantized with.
+used sees the value it quantized with. On GPUs each group's update is one Triton launch
+(``kernels/scale_update.py``); the per-module views ``slot`` hands out are made once per update.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+
+from lightning_fuse.kernels import update_scales
 
 from .recipe import DelayedScaling
 
@@ -53,6 +56,14 @@ class _Group:
         self.scale = _aligned(torch.ones(slots, dtype=torch.float32, device=device))
         self.scale_inv = _aligned(torch.ones(slots, dtype=torch.float32, device=device))
         self.nonfinite = torch.zeros(slots, dtype=torch.int64, device=device)
+        self._views: Optional[tuple] = None
+
+    def views(self) -> tuple:
+        """Per-slot ``(scales, scale_invs, amaxes)``: made in three calls, not three per slot per step."""
+        if self._views is None or self._views[0] is not self.scale or self._views[1] is not self.history:
+            self._views = (self.scale, self.history, self.scale.unbind(0), self.scale_inv.unbind(0),
+                           self.history[0].split(1))
+        return self._views[2:]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"history": self.history, "scale": self.scale, "scale_inv": self.scale_inv, "nonfinite": self.nonfinite}
@@ -105,8 +116,8 @@ class FP8ScalingState:
 
     def slot(self, group: str, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(scale, scale_inv, amax)`` of one tensor: 0-d views and a one-element view of history row 0."""
-        g = self.groups[group]
-        return g.scale[index], g.scale_inv[index], g.history[0, index:index + 1]
+        scales, scale_invs, amaxes = self.groups[group].views()
+        return scales[index], scale_invs[index], amaxes[index]
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -129,19 +140,9 @@ class FP8ScalingState:
 
     @staticmethod
     def _update_group(group: _Group, recipe: DelayedScaling, fp8_max: float) -> None:
-        history = group.history
-        newest = history[0]
-        finite = torch.isfinite(newest)
-        group.nonfinite += (~finite).to(torch.int64)
-        newest.masked_fill_(~finite, 0.0)
-        amax = history.amax(dim=0) if recipe.amax_compute_algo == "max" else newest
-        usable = finite & (amax > 0)
-        scale = torch.where(usable, fp8_max / amax.clamp_min(torch.finfo(torch.float32).tiny) / (2.0 ** recipe.margin),
-                            group.scale)
-        group.scale = _aligned(scale)
-        group.scale_inv = _aligned(scale.reciprocal())
-        group.history = torch.roll(history, 1, dims=0)
-        group.history[0].zero_()
+        group.history, group.scale, group.scale_inv = update_scales(
+            group.history, group.scale, group.nonfinite, fp8_max=fp8_max, margin=recipe.margin,
+            use_max=recipe.amax_compute_algo == "max")
 
     # -- health ------------------------------------------------------------------------------
 

@@ -55,21 +55,28 @@ def _copy_of(key: ShapeKey, device: torch.device, emulate: bool) -> FP8LinearBas
     return module
 
 
-def _timer(device: torch.device, fn: Callable[[], None], warmup: int, reps: int) -> float:
-    """Median ms of ``fn`` after ``warmup`` calls."""
+def _timer(device: torch.device, fn: Callable[[], None], warmup: int, reps: int, bursts: int = 3) -> float:
+    """ms per call of ``fn`` after ``warmup`` calls: on GPUs the median over ``bursts`` of ``reps`` calls each.
+
+    On GPUs the calls of a burst are issued back to back between two CUDA events, as a training
+    loop issues them, so a call costs the larger of its CPU launch time and its GPU time. Timing
+    single calls with a synchronization after each would add the launch latency of every call,
+    which a training loop hides behind the GPU work queued before it.
+    """
     for _ in range(warmup):
         fn()
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        for _ in range(reps):
+        for _ in range(bursts):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(reps):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
+            times.append(start.elapsed_time(end) / reps)
+    else:  # CPU calls are synchronous: each one is timed on its own
         for _ in range(reps):
             t0 = time.perf_counter()
             fn()

@@ -1,0 +1,130 @@
+"""Host (CPU) time against device time (GPU): is a call or a training step bound by launching?
+
+For each kernel call and for one fused-MLP training step it reports:
+
+- host ms: CPU time to issue one call, measured over a burst of calls issued back to back with no
+  synchronization (the GPU queue absorbs them, so this is the launch cost alone);
+- device ms: the same call replayed from a CUDA graph (no launch cost);
+- wall ms: CUDA-event median of the call as a user runs it.
+
+A call with host ms above device ms is launch-bound: the GPU waits on Python. The script also writes
+the top entries of a cProfile of the MLP step (``profile.txt``), the place to look when it is.
+
+    python benchmarks/bench_overhead.py --out results/overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common import environment, graph_ms, median_ms, print_table, write_results
+from lightning_fuse import DelayedScaling, FuseConfig, fp8_autocast, fuse_
+from lightning_fuse.kernels import bias_act, dact_dbias_quantize, dbias_quantize, quantize
+
+
+def host_ms(fn, calls: int = 200) -> float:
+    """CPU ms per call over a burst of ``calls`` issued without synchronizing."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
+def kernel_rows(m: int, n: int) -> list[dict]:
+    dev = "cuda"
+    g = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    pre = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    scale = torch.ones((), device=dev)
+    amax = torch.zeros(1, device=dev)
+    e5, e4 = torch.float8_e5m2, torch.float8_e4m3fn
+    calls = {
+        "torch add_ (reference point)": lambda: g.add_(0.0),
+        "dact_dbias_quantize": lambda: dact_dbias_quantize(g, pre, "gelu_tanh", scale=scale, fp8_dtype=e5, amax=amax,
+                                                           transpose=True),
+        "dbias_quantize": lambda: dbias_quantize(g, scale=scale, fp8_dtype=e5, amax=amax, transpose=True),
+        "quantize": lambda: quantize(g, scale=scale, fp8_dtype=e4, amax=amax, transpose=True),
+        "bias_act": lambda: bias_act(pre, bias, "gelu_tanh"),
+    }
+    rows = []
+    for name, fn in calls.items():
+        rows.append({"what": f"{name} {m}x{n}", "host_ms": host_ms(fn), "device_ms": graph_ms(fn),
+                     "wall_ms": median_ms(fn)})
+    return rows
+
+
+def mlp_rows(d: int, tokens: int, out_dir: Path) -> list[dict]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)).cuda().bfloat16()
+    base = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)).cuda().bfloat16()
+    fuse_(model, FuseConfig(convert="mlp"))
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    recipe = DelayedScaling()
+
+    def ours():
+        with fp8_autocast(recipe):
+            y = model(x)
+        y.backward(dy)
+
+    def bf16():
+        base(x).backward(dy)
+
+    rows = []
+    for name, fn in (("MLP step bf16 eager", bf16), ("MLP step ours", ours)):
+        for _ in range(3):
+            fn()
+        rows.append({"what": f"{name} d={d}", "host_ms": host_ms(fn, 30), "device_ms": _profiled_device_ms(fn),
+                     "wall_ms": median_ms(fn)})
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        ours()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    (out_dir / f"profile_d{d}.txt").write_text(text.getvalue())
+    return rows
+
+
+def _profiled_device_ms(fn, steps: int = 5) -> float:
+    """Sum of GPU kernel time per step, from the PyTorch profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / steps / 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="results/overhead")
+    parser.add_argument("--dims", default="1600")
+    parser.add_argument("--tokens", type=int, default=16384)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(environment())
+    rows = kernel_rows(8192, 3072)
+    for d in [int(v) for v in args.dims.split(",")]:
+        rows += mlp_rows(d, args.tokens, out)
+    write_results(out, "overhead", rows)
+    print_table(rows, ["what", "host_ms", "device_ms", "wall_ms"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The one-launch delayed-scaling update against its PyTorch reference (and against the recipe's
+formula): bit-identical scales, histories and non-finite counters, for every history length the
+kernel handles, NaN/inf/zero amaxes, both amax algorithms and a margin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fuse.kernels import update_scales, update_scales_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _group(length, slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    history = torch.rand(length, slots, generator=g) * torch.logspace(-3, 3, slots)
+    history[1:, 0] = 0.0  # a tensor that never ran before
+    if slots > 2:
+        history[0, 1] = float("nan")
+        history[0, 2] = float("inf")
+    if slots > 3:
+        history[:, 3] = 0.0  # all-zero: keeps its scale
+    scale_storage = torch.rand(slots, 4, generator=g) + 0.5
+    nonfinite = torch.randint(0, 3, (slots,), generator=g)
+    return history.to(DEVICE), scale_storage.to(DEVICE)[:, 0], nonfinite.to(DEVICE)
+
+
+@pytest.mark.parametrize("length,slots", [(1, 1), (3, 7), (5, 2), (16, 300), (1024, 6)])
+@pytest.mark.parametrize("use_max", [True, False], ids=["max", "most_recent"])
+@pytest.mark.parametrize("fp8_max,margin", [(448.0, 0), (57344.0, 2)])
+def test_kernel_matches_the_recipe_and_the_reference(length, slots, use_max, fp8_max, margin):
+    history, scale, nonfinite = _group(length, slots, seed=length * 1000 + slots)
+    h_ref, n_ref = history.clone(), nonfinite.clone()
+    h_ref, s_ref, si_ref = update_scales_reference(h_ref, scale, n_ref, fp8_max=fp8_max, margin=margin, use_max=use_max)
+    original = history.clone()
+    newest = history[0].clone()
+    amax = history.nan_to_num(0.0, 0.0).amax(0) if use_max else newest.nan_to_num(0.0, 0.0)
+    out_h, out_s, out_si = update_scales(history, scale, nonfinite, fp8_max=fp8_max, margin=margin, use_max=use_max)
+    # The recipe's formula, correctly rounded from float64: the kernel's divisions are IEEE ones.
+    finite = torch.isfinite(newest)
+    exact = (fp8_max / amax.double().clamp_min(1e-38) / 2.0 ** margin).float()
+    expected = torch.where(finite & (amax > 0), exact, scale)
+    assert torch.equal(out_s, expected)
+    assert torch.equal(out_si, (1.0 / expected.double()).float())
+    # PyTorch's scalar division may be one ulp off the correctly rounded value.
+    torch.testing.assert_close(s_ref, expected, rtol=2.5e-7, atol=0)
+    torch.testing.assert_close(si_ref, out_si, rtol=5e-7, atol=0)
+    assert torch.equal(out_h, h_ref) and torch.equal(nonfinite, n_ref)
+    assert torch.equal(out_h[0], torch.zeros_like(out_h[0]))
+    if length > 1:
+        assert torch.equal(out_h[1], torch.where(finite, newest, torch.zeros_like(newest)))
+        assert torch.equal(out_h[2:], original[1:-1])  # older rows move down by one
+
+
+def test_new_scales_are_new_tensors_spaced_16_bytes():
+    history, scale, nonfinite = _group(4, 5, seed=1)
+    before = scale.clone()
+    _, new, new_inv = update_scales(history, scale, nonfinite, fp8_max=448.0, margin=0, use_max=True)
+    assert torch.equal(scale, before)  # the old scale is never written: a pending backward may hold it
+    assert new.stride(0) == 4 and new_inv.stride(0) == 4
+    assert all(new[i].data_ptr() % 16 == 0 for i in range(5))

@@ -116,7 +116,10 @@ class FP8ScalingState:
 
     def slot(self, group: str, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(scale, scale_inv, amax)`` of one tensor: 0-d views and a one-element view of history row 0."""
-        scales, scale_invs, amaxes = self.groups[group].views()
+        g = self.groups[group]
+        if torch.compiler.is_compiling():  # no cache mutation (a side effect) in a traced graph
+            return g.scale[index], g.scale_inv[index], g.history[0, index:index + 1]
+        scales, scale_invs, amaxes = g.views()
         return scales[index], scale_invs[index], amaxes[index]
 
     # -- updates ------------------------------------------------------------------------------

@@ -230,3 +230,29 @@ def test_torch_compile_has_no_graph_break_inside_the_module():
         y_compiled.float().sum().backward()
     assert sqnr_db(y_compiled.float(), y_eager.float()) >= 30
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_callback_trains_in_fp8_under_fsdp_and_ddp_on_one_gpu(tmp_path, strategy):
+    """Lightning allows FSDP only on GPUs: the swap must happen before wrapping (layers built in
+    ``configure_model``), the FP8 path must run on the wrapped parameters, and the scales must move."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from boring_models import ConfigureModelMLP
+    from lightning_fuse import FusedBackwardCallback
+
+    torch.manual_seed(0)
+    model = ConfigureModelMLP(d=64, batch_size=8)
+    callback = FusedBackwardCallback(recipe=DelayedScaling(amax_history_len=4), benchmark="off")
+    trainer = Trainer(accelerator="cuda", devices=1, strategy=FSDPStrategy() if strategy == "fsdp" else DDPStrategy(),
+                      precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      num_sanity_val_steps=0, default_root_dir=tmp_path, callbacks=[callback])
+    trainer.fit(model)
+    kinds = {name: type(module).__name__ for name, module in model.named_modules()}
+    assert "FusedLinearBiasActivation" in kinds.values() and "FP8Linear" in kinds.values()
+    assert callback.state.generation == 3
+    forward_scales = callback.state.groups["forward"].scale
+    assert torch.isfinite(forward_scales).all() and (forward_scales != 1.0).all()
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])

@@ -265,3 +265,21 @@ def test_rejects_unknown_activation_and_bad_amax():
         bias_act(grad, torch.zeros(15, device=DEVICE), "gelu")
     with pytest.raises(ValueError, match="`fp8_dtype` is required"):
         quantize(grad, scale=torch.ones((), device=DEVICE), fp8_dtype=None)
+
+
+def test_eager_calls_launch_the_kernels_directly(monkeypatch):
+    """Eager launches must not go through ``wrap_triton``'s higher-order-op dispatch, which cost
+    0.6-2.5 ms of CPU per launch on the H200 host (BENCHMARKS.md, host time per call)."""
+    import lightning_fuse.kernels._launch as launch
+
+    wrapped = []
+    real = launch.wrap_triton
+    monkeypatch.setattr(launch, "wrap_triton", lambda kernel: wrapped.append(kernel) or real(kernel))
+    grad, pre = _inputs((33,), 40, torch.bfloat16, seed=3)
+    scale, amax = torch.ones(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+    dact_dbias_quantize(grad, pre, "gelu", scale=scale, fp8_dtype=torch.float8_e5m2, amax=amax, transpose=True)
+    quantize(grad, scale=scale, fp8_dtype=torch.float8_e4m3fn, transpose=True)
+    bias_act(pre, torch.zeros(40, device=DEVICE, dtype=torch.bfloat16), "gelu_tanh")
+    dact_dbias_quantize_current_scaling(grad, pre, "silu", fp8_dtype=torch.float8_e5m2, transpose=True)
+    assert wrapped == []
+    assert launch.launcher(object, traced=False) is object

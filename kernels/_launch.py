@@ -139,7 +139,7 @@ def pick_config(m: int, n: int, device: torch.device, *, block_m: int = 64, bloc
     """
     if torch.compiler.is_compiling():  # sizes may be symbolic there (not hashable): no cache
         return _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm)
-    key = (m, n, device.type, device.index, block_m, block_n, num_warps, programs_per_sm)
+    key = (m, n, device, block_m, block_n, num_warps, programs_per_sm)
     config = _CONFIGS.get(key)
     if config is None:
         config = _CONFIGS[key] = _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm)

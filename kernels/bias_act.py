@@ -76,30 +76,41 @@ def _bias_act_kernel(
         tl.atomic_max(amax_ptr, tl.max(amax_acc))
 
 
-def _bias_act_impl(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, out_dtype: torch.dtype,
-                   store_y: bool, scale: Optional[torch.Tensor], fp8_code: int, amax: Optional[torch.Tensor],
-                   transpose: bool, pre_act_out: Optional[torch.Tensor], traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bias_act_run(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, out_dtype: torch.dtype,
+                  scale: Optional[torch.Tensor], fp8_code: int, amax: Optional[torch.Tensor], transpose: bool,
+                  pre_act_out: Optional[torch.Tensor], traced: bool):
+    """Allocates and launches: ``(y, y_fp8 or None, y_fp8_t or None)``."""
     m, n = h.shape
     dev = h.device
-    y = torch.empty((m, n) if store_y else (0, 0), dtype=out_dtype, device=dev)
-    q_dtype = FORMAT_DTYPES.get(fp8_code, torch.uint8)  # uint8: an empty placeholder without FP8
-    q = torch.empty((m, n) if fp8_code else (0, 0), dtype=q_dtype, device=dev)
-    q_t = torch.empty((n, m) if transpose else (0, 0), dtype=q_dtype, device=dev)
+    y = torch.empty((m, n), dtype=out_dtype, device=dev)
+    q = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=dev) if fp8_code else None
+    q_t = torch.empty((n, m), dtype=q.dtype, device=dev) if transpose else None
     if m > 0:
         cfg = pick_config(m, n, dev)
         rows_per_group, groups = cfg.row_groups(m)
-        launcher(_bias_act_kernel, traced)[(triton.cdiv(n, cfg.block_n), groups)](
-            h, bias if bias is not None else h, y, q, q_t, scale if scale is not None else h,
-            amax if amax is not None else h, pre_act_out if pre_act_out is not None else h,
-            h.stride(0), h.stride(1), y.stride(0) if store_y else 0, q.stride(0) if fp8_code else 0,
+        stride_h = h.stride()
+        launcher(_bias_act_kernel, traced)[(-(-n // cfg.block_n), groups)](
+            h, bias if bias is not None else h, y, q if q is not None else y, q_t if q_t is not None else y,
+            scale if scale is not None else h, amax if amax is not None else h,
+            pre_act_out if pre_act_out is not None else h,
+            stride_h[0], stride_h[1], y.stride(0), q.stride(0) if fp8_code else 0,
             q_t.stride(0) if transpose else 0, pre_act_out.stride(0) if pre_act_out is not None else 0,
             m, n, rows_per_group,
             ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=pre_act_out is not None,
-            STORE_Y=store_y, FP8_FORMAT=fp8_code,
+            STORE_Y=True, FP8_FORMAT=fp8_code,
             TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, USE_PTX=use_ptx_encoder(h),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     return y, q, q_t
+
+
+def _bias_act_impl(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, out_dtype: torch.dtype,
+                   scale: Optional[torch.Tensor], fp8_code: int, amax: Optional[torch.Tensor],
+                   transpose: bool, pre_act_out: Optional[torch.Tensor], traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, q, q_t = _bias_act_run(h, bias, activation, out_dtype, scale, fp8_code, amax, transpose, pre_act_out, traced)
+    # A registered op returns tensors: empty ones stand for the outputs not asked for.
+    placeholder = torch.empty((0, 0), dtype=torch.uint8, device=h.device)
+    return y, (q if q is not None else placeholder), (q_t if q_t is not None else placeholder)
 
 
 _bias_act_op = triton_op("lightning_fuse::bias_act", _bias_act_impl, mutates_args={"amax", "pre_act_out"})
@@ -166,7 +177,7 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
             raise ValueError(f"`pre_act_out` must have `h`'s shape {tuple(h.shape)} with contiguous rows; got shape "
                              f"{tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
     leading = h.shape[:-1]
-    h2 = as_rows(h)
+    h2 = h if h.dim() == 2 else h.reshape(-1, n)
     if not use_triton(h2):
         if pre_act_out is not None:
             pre = h2.to(torch.float32) + (bias.to(torch.float32) if bias is not None else 0.0)
@@ -175,9 +186,17 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
         y, q, q_t = bias_act_reference(h2, bias, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
                                        transpose=transpose)
         return y.view(*leading, n), (q.view(*leading, n) if q is not None else None), q_t
-    traced = torch.compiler.is_compiling()
-    op = _bias_act_op if traced else _bias_act_impl
-    y, q, q_t = op(h2, bias.contiguous() if bias is not None else None, act, h.dtype, True,
-                   scale.reshape(()) if scale is not None else None, code, amax, transpose,
-                   as_rows(pre_act_out) if pre_act_out is not None else None, traced)
-    return y.view(*leading, n), (q.view(*leading, n) if code else None), (q_t if transpose else None)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    if scale is not None and scale.dim() != 0:
+        scale = scale.reshape(())
+    if pre_act_out is not None and pre_act_out.dim() != 2:
+        pre_act_out = pre_act_out.reshape(-1, n)
+    if torch.compiler.is_compiling():
+        y, q, q_t = _bias_act_op(h2, bias, act, h.dtype, scale, code, amax, transpose, pre_act_out, True)
+    else:
+        y, q, q_t = _bias_act_run(h2, bias, act, h.dtype, scale, code, amax, transpose, pre_act_out, False)
+    if h.dim() != 2:
+        y = y.view(h.shape)
+        q = q.view(h.shape) if code else None
+    return y, (q if code else None), (q_t if transpose else None)

@@ -112,16 +112,17 @@ def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, BLOCK_N: tl.constexpr)
 
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
             compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool) -> None:
-    """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs."""
+    """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs (``out_t``/``dbias`` may be
+    ``None`` when not written)."""
     m, n = grad.shape
     rows_per_group, groups = config.row_groups(m)
-    partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else dbias
-    dummy = grad
-    launcher(_dact_dbias_quantize_kernel, traced)[(triton.cdiv(n, config.block_n), groups)](
-        grad, pre_act if pre_act is not None else dummy, out, out_t if transpose else out, partials,
-        scale if scale is not None else dummy, amax if amax is not None else dummy,
-        grad.stride(0), grad.stride(1),
-        pre_act.stride(0) if pre_act is not None else 0, pre_act.stride(1) if pre_act is not None else 0,
+    partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else out
+    stride_grad = grad.stride()
+    stride_pre = pre_act.stride() if pre_act is not None else (0, 0)
+    launcher(_dact_dbias_quantize_kernel, traced)[(-(-n // config.block_n), groups)](
+        grad, pre_act if pre_act is not None else grad, out, out_t if transpose else out, partials,
+        scale if scale is not None else grad, amax if amax is not None else grad,
+        stride_grad[0], stride_grad[1], stride_pre[0], stride_pre[1],
         out.stride(0), out_t.stride(0) if transpose else 0,
         m, n, rows_per_group,
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
@@ -131,7 +132,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
     )
     if compute_dbias:
         block = 256 if grad.is_cuda else 32
-        launcher(_sum_partials_kernel, traced)[(triton.cdiv(n, block),)](partials, dbias, groups, n, BLOCK_N=block)
+        launcher(_sum_partials_kernel, traced)[(-(-n // block),)](partials, dbias, groups, n, BLOCK_N=block)
 
 
 def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: str | None, *,
@@ -157,21 +158,36 @@ def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Te
     return out, (out.t().contiguous() if transpose else None), dbias
 
 
+def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
+         fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool, config: LaunchConfig,
+         traced: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Allocates the outputs and runs the pass: ``(out, out_t or None, dbias or None)``."""
+    m, n = grad.shape
+    device = grad.device
+    out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code] if fp8_code else grad.dtype, device=device)
+    out_t = torch.empty((n, m), dtype=out.dtype, device=device) if transpose else None
+    dbias = None
+    if compute_dbias:
+        # Every element is written by the partial-sum kernel; only an empty batch needs the zeros.
+        dbias = (torch.empty if m > 0 else torch.zeros)((n,), dtype=torch.float32, device=device)
+    if m > 0:
+        _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, True, config, out, out_t,
+                dbias, traced)
+    return out, out_t, dbias
+
+
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
     block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool, traced: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    m, n = grad.shape
-    out_dtype = FORMAT_DTYPES[fp8_code] if fp8_code else grad.dtype
-    out = torch.empty((m, n), dtype=out_dtype, device=grad.device)
-    out_t = torch.empty((n, m) if transpose else (0, 0), dtype=out_dtype, device=grad.device)
-    # Every element is written by the partial-sum kernel; only an empty batch needs the zeros.
-    dbias = (torch.empty if m > 0 else torch.zeros)((n if compute_dbias else 0,), dtype=torch.float32,
-                                                     device=grad.device)
-    if m > 0:
-        _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, True,
-                LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes), out, out_t, dbias, traced)
+    out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias,
+                             LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes), traced)
+    # A registered op returns tensors: empty ones stand for the outputs not asked for.
+    if out_t is None:
+        out_t = torch.empty((0, 0), dtype=out.dtype, device=out.device)
+    if dbias is None:
+        dbias = torch.empty((0,), dtype=torch.float32, device=out.device)
     return out, out_t, dbias
 
 
@@ -204,25 +220,31 @@ def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, scal
 
 
 def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compute_dbias=True):
-    """Validates, flattens to rows, and runs the kernel (or the reference where Triton does not run)."""
+    """Validates, flattens to rows, and runs the kernel (or the reference where Triton does not run).
+
+    Kept lean: it runs for every FP8 tensor of every step, and its CPU time adds to the launch's.
+    """
     act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
-    leading = grad.shape[:-1]
-    g2 = as_rows(grad)
-    p2 = as_rows(pre_act) if act else None
+    n = grad.shape[-1]
+    flat = grad.dim() == 2
+    g2 = grad if flat else grad.reshape(-1, n)
+    p2 = (pre_act if pre_act.dim() == 2 else pre_act.reshape(-1, n)) if act else None
     if not use_triton(g2):
         out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                           fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
-        out = out.view(*leading, g2.shape[1])
-        return out, out_t, (dbias if compute_dbias else None)
-    cfg = pick_config(g2.shape[0], g2.shape[1], g2.device)
-    traced = torch.compiler.is_compiling()
-    op = _dact_dbias_quantize_op if traced else _dact_dbias_quantize_impl
-    out, out_t, dbias = op(g2, p2, act, scale.reshape(()) if scale is not None else None, code, amax, transpose,
-                           compute_dbias, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups, cfg.transpose_bytes,
-                           traced)
-    if not transpose:
-        out_t = None
-    return out.view(*leading, g2.shape[1]), out_t, (dbias if compute_dbias else None)
+        return out.view(grad.shape), out_t, (dbias if compute_dbias else None)
+    cfg = pick_config(g2.shape[0], n, g2.device)
+    if scale is not None and scale.dim() != 0:
+        scale = scale.reshape(())
+    if torch.compiler.is_compiling():
+        out, out_t, dbias = _dact_dbias_quantize_op(g2, p2, act, scale, code, amax, transpose, compute_dbias,
+                                                    cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups,
+                                                    cfg.transpose_bytes, True)
+        out_t = out_t if transpose else None
+        dbias = dbias if compute_dbias else None
+    else:
+        out, out_t, dbias = _run(g2, p2, act, scale, code, amax, transpose, compute_dbias, cfg, False)
+    return (out if flat else out.view(grad.shape)), out_t, dbias
 
 
 def dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, activation: str, *,

@@ -73,9 +73,9 @@ def update_scales(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.T
         return update_scales_reference(history, scale, nonfinite, fp8_max=fp8_max, margin=margin, use_max=use_max)
     new_scale = _aligned_empty(slots, history.device)
     new_scale_inv = _aligned_empty(slots, history.device)
-    block_l = triton.next_power_of_2(length)
-    block_s = max(1, min(triton.next_power_of_2(slots), 4096 // block_l))
-    _update_scales_kernel[(triton.cdiv(slots, block_s),)](
+    block_l = 1 << (length - 1).bit_length()  # next power of two (plain ints: triton's helper is slow to call)
+    block_s = max(1, min(1 << (slots - 1).bit_length(), 4096 // block_l))
+    _update_scales_kernel[(-(-slots // block_s),)](
         history, scale, new_scale, new_scale_inv, nonfinite, length, slots, scale.stride(0), new_scale.stride(0),
         fp8_max, 2.0 ** margin, USE_MAX=use_max, BLOCK_L=block_l, BLOCK_S=block_s, num_warps=4)
     return history, new_scale, new_scale_inv

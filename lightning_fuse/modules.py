@@ -148,10 +148,13 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
     the GEMM is an opaque op (the same cuBLASLt call): Inductor's own lowering of ``_scaled_mm``
     failed an internal assertion on these operands with torch 2.11.
     """
+    if scale_a.dim():
+        scale_a = scale_a.reshape(())
+    if scale_b.dim():
+        scale_b = scale_b.reshape(())
     if torch.compiler.is_compiling():
-        return _scaled_mm_op(a, b, scale_a.reshape(()), scale_b.reshape(()), out_dtype, fast_accum)
-    return torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()), out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+        return _scaled_mm_op(a, b, scale_a, scale_b, out_dtype, fast_accum)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def _add_bias_and_activate(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]):
@@ -351,7 +354,8 @@ class FP8LinearBase(nn.Module):
         if isinstance(ctx.recipe, DelayedScaling):
             self.fp8_state.ensure(ctx.recipe.amax_history_len, x.device)
             ctx.states[id(self.fp8_state)] = self.fp8_state
-        self._recompute = ctx.recipe
+        if self._recompute is not ctx.recipe:
+            self._recompute = ctx.recipe
         return ctx.recipe
 
     def _fqn(self) -> str:
@@ -380,7 +384,7 @@ class FP8LinearBase(nn.Module):
                 scale_inv = scale.reciprocal()
         value = (q_t, q, scale_inv) if self.weight_is_in_out else (q, q_t, scale_inv)
         if not compiling:
-            self._weight_cache = (key, value)
+            self.__dict__["_weight_cache"] = (key, value)  # a cache: skip nn.Module.__setattr__'s bookkeeping
         return value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

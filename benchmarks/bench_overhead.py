@@ -11,6 +11,10 @@ A call with host ms above device ms is launch-bound: the GPU waits on Python. Th
 the top entries of a cProfile of the MLP step (``profile.txt``), the place to look when it is.
 
     python benchmarks/bench_overhead.py --out results/overhead
+
+``--wrappers-only`` runs without a GPU: the Triton kernels are replaced by no-ops (under the Triton
+interpreter's launch path) and it times what remains, the library's own Python per call and per
+FP8 MLP step (tiny shapes, ``emulate=True``), against a plain ``torch.add_`` and a plain bf16 step.
 """
 
 from __future__ import annotations
@@ -110,13 +114,73 @@ def _profiled_device_ms(fn, steps: int = 5) -> float:
     return total_us / steps / 1e3
 
 
+def wrapper_rows() -> list[dict]:
+    """CPU microseconds of the library's Python around each launch (kernels replaced by no-ops)."""
+    import os
+    import sys
+
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the kernels' launch path (launches are no-ops here)
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    modules = {name: sys.modules[f"lightning_fuse.kernels.{name}"] for name in
+               ("dact_dbias_quantize", "bias_act", "scale_update")}
+    modules["dact_dbias_quantize"]._dact_dbias_quantize_kernel = _NoLaunch()
+    modules["dact_dbias_quantize"]._sum_partials_kernel = _NoLaunch()
+    modules["bias_act"]._bias_act_kernel = _NoLaunch()
+    modules["scale_update"]._update_scales_kernel = _NoLaunch()
+
+    def cpu_us(fn, calls=2000):
+        for _ in range(5):
+            fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    g = torch.randn(64, 96, dtype=torch.bfloat16)
+    pre = torch.randn_like(g)
+    scale, amax = torch.ones(()), torch.zeros(1)
+    rows = [
+        ("torch add_ (reference point)", lambda: amax.add_(0.0)),
+        ("dact_dbias_quantize", lambda: dact_dbias_quantize(g, pre, "gelu_tanh", scale=scale, fp8_dtype=torch.float8_e5m2,
+                                                            amax=amax, transpose=True)),
+        ("quantize", lambda: quantize(g, scale=scale, fp8_dtype=torch.float8_e4m3fn, amax=amax, transpose=True)),
+        ("bias_act", lambda: bias_act(pre, g[0], "gelu_tanh")),
+    ]
+    d = 32
+    plain = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)).bfloat16()
+    model = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)).bfloat16()
+    fuse_(model, FuseConfig(convert="mlp", emulate=True))
+    x = torch.randn(16, d, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(16, d, dtype=torch.bfloat16)
+    recipe = DelayedScaling()
+
+    def ours():
+        with fp8_autocast(recipe):
+            y = model(x)
+        y.backward(dy)
+
+    rows += [("MLP step bf16 (16 x 32, CPU GEMMs)", lambda: plain(x).backward(dy)),
+             ("MLP step ours (16 x 32, CPU FP8 GEMMs)", ours)]
+    return [{"what": name, "cpu_us": cpu_us(fn, 2000 if "step" not in name else 300)} for name, fn in rows]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/overhead")
     parser.add_argument("--dims", default="1600")
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--wrappers-only", action="store_true", help="no GPU: time the library's Python alone")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.wrappers_only:
+        rows = wrapper_rows()
+        write_results(out, "wrappers", rows)
+        print_table(rows, ["what", "cpu_us"])
+        return
     out.mkdir(parents=True, exist_ok=True)
     print(environment())
     rows = kernel_rows(8192, 3072)

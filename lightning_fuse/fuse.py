@@ -510,6 +510,11 @@ def _swap(model: nn.Module, plan: _Plan, config: FuseConfig) -> set[int]:
             converted = FP8Linear(model.get_submodule(linear.name), emulate=config.emulate)
             _set_submodule(model, linear.name, converted)
             swapped.add(id(converted))
+    for chain in plan.chains:
+        consumer = model.get_submodule(chain.consumer) if chain.consumer is not None else None
+        if isinstance(consumer, FP8Linear):
+            # The chain's activation pass writes the consumer's FP8 input too (modules.py).
+            model.get_submodule(chain.linear).link_consumer(consumer)
     return swapped
 
 

@@ -116,6 +116,9 @@ class _FP8Plan:
     state: Optional[FP8ScalingState]
     dtype: torch.dtype
     need_wgrad: bool  # decided outside the autograd function, where grad mode is still visible
+    handed: Optional[tuple] = None  # the input's (FP8, FP8 transposed, scale_inv), written by the producing chain
+    grad_enabled: bool = True  # grad mode at the call (the autograd function's forward runs without it)
+    handoff: Optional[tuple] = None  # set by the forward: (consumer, FP8, FP8 transposed, scale_inv) of the output
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -171,15 +174,18 @@ class _FP8LinearFunction(torch.autograd.Function):
     """FP8 forward and backward of ``act(x @ W^T + b)`` (``act`` may be absent)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: _FP8Plan):
+    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: _FP8Plan):
+        # 2-D in, 2-D out: the caller reshapes outside, so the output is no view made in here (autograd
+        # refuses in-place changes to those) and its in-place use stays possible.
         module = plan.module
-        k, n = module.in_features, module.out_features
-        leading = x.shape[:-1]
-        x2 = x.reshape(-1, k)
         need_wgrad = plan.need_wgrad
         recipe = plan.recipe
         index = module.fp8_index
-        if isinstance(recipe, DelayedScaling):
+        handed = plan.handed
+        if handed is not None:
+            # The producing chain's activation pass already wrote this input's FP8 copies (and its amax).
+            xq, xq_t, scale_inv_x = handed
+        elif isinstance(recipe, DelayedScaling):
             scale_x, scale_inv_x, amax_x = plan.state.slot("forward", 2 * index)
             xq, xq_t = quantize(x2, scale=scale_x, fp8_dtype=recipe.forward_dtype, amax=amax_x, transpose=need_wgrad)
         else:
@@ -189,12 +195,20 @@ class _FP8LinearFunction(torch.autograd.Function):
         w_nk, w_kn, scale_inv_w = module._fp8_weight(plan)
         h = _scaled_mm(xq, w_nk.t(), scale_inv_x, scale_inv_w, plan.dtype, fast_accum=True)
         activation = module.activation
-        h, y = _add_bias_and_activate(h, bias, activation)
+        consumer = module._consumer_for(plan)
+        if consumer is None:
+            h, y = _add_bias_and_activate(h, bias, activation)
+        else:
+            # One pass: bias, activation, and the consumer's FP8 input (row-wise, transposed, amax).
+            scale_c, scale_inv_c, amax_c = plan.state.slot("forward", 2 * consumer.fp8_index)
+            consumer_wgrad = consumer.weight.requires_grad and plan.grad_enabled
+            y, yq, yq_t = bias_act(h, bias, activation, scale=scale_c, fp8_dtype=recipe.forward_dtype, amax=amax_c,
+                                   transpose=consumer_wgrad, pre_act_out=h)
+            plan.handoff = (consumer, yq, yq_t, scale_inv_c)
         ctx.plan = plan
-        ctx.leading = leading
         ctx.has_bias = bias is not None
         ctx.save_for_backward(h if activation else None, xq_t if need_wgrad else None, w_kn, scale_inv_x, scale_inv_w)
-        return y.view(*leading, n)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -202,7 +216,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         plan: _FP8Plan = ctx.plan
         module = plan.module
         recipe = plan.recipe
-        k, n = module.in_features, module.out_features
+        n = module.out_features
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_wgrad = need_wgrad and xq_t is not None
         dy2 = dy.reshape(-1, n)
@@ -222,7 +236,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             scale_inv_g = scale_g.reciprocal()
         dx = dweight = dbias_out = None
         if need_dgrad:
-            dx = _scaled_mm(dq, w_kn.t(), scale_inv_g, scale_inv_w, plan.dtype).view(*ctx.leading, k)
+            dx = _scaled_mm(dq, w_kn.t(), scale_inv_g, scale_inv_w, plan.dtype)
         if need_wgrad:
             weight = module.weight
             if module.weight_is_in_out:  # (K, N) = x^T @ dy
@@ -285,11 +299,35 @@ class FP8LinearBase(nn.Module):
         self.fp8_index = -1
         self._weight_cache: Optional[tuple] = None
         self._recompute: Optional[Recipe] = None
+        self._consumer: tuple = ()  # (FP8Linear,) when fuse_ linked the linear this chain feeds
 
     def __getstate__(self) -> dict:
         # The FP8 weight copies are a cache (float8 storages do not unpickle in torch 2.13): drop them.
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        return {**state, "_weight_cache": None}
+        return {**state, "_weight_cache": None, "_fp8_input": None}
+
+    def link_consumer(self, consumer: "FP8Linear") -> None:
+        """Lets this chain write ``consumer``'s FP8 input in its activation pass (delayed scaling).
+
+        ``fuse_`` links a chain to the linear that alone consumes its activation's output. The
+        consumer uses the hand-off only when it receives that very tensor, unmodified; otherwise it
+        quantizes its input itself, so a link never changes results, only saves a pass and a launch.
+        """
+        if not isinstance(consumer, FP8Linear) or consumer.in_features != self.out_features:
+            raise ValueError(f"a chain with out_features={self.out_features} can only hand its output to an FP8Linear "
+                             f"with in_features={self.out_features}; got {consumer!r}")
+        self._consumer = (consumer,)  # a tuple hides it from nn.Module registration (it is registered elsewhere)
+
+    def _consumer_for(self, plan: _FP8Plan) -> Optional["FP8Linear"]:
+        """The linked consumer when this call can write its FP8 input, else ``None``."""
+        consumer = self._consumer[0] if self._consumer else None
+        if (consumer is None or not self.activation or not isinstance(plan.recipe, DelayedScaling)
+                or torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not use_triton(self.weight)):
+            # (inference tensors have no version counter, so a change in place could not be seen)
+            return None
+        if not consumer.fused or consumer.fp8_reason or consumer.fp8_state is not plan.state:
+            return None
+        return consumer
 
     def bind_fp8_state(self, state: FP8ScalingState, name: str) -> None:
         """Registers this module's three FP8 tensors in the model's ``state`` under ``name``."""
@@ -394,13 +432,26 @@ class FP8LinearBase(nn.Module):
                 f"mat1 and mat2 shapes cannot be multiplied ({rows}x{x.shape[-1]} and "
                 f"{self.in_features}x{self.out_features}): {type(self).__name__} expects inputs [*, {self.in_features}]"
             )
+        # An input's FP8 copies handed over by the chain before (link_consumer): used once, or dropped.
+        handed = None if torch.compiler.is_compiling() else self.__dict__.pop("_fp8_input", None)
         if not self.fused:
             return self._plain_forward(x)
         fp8 = self._fp8_recipe(x)
         if fp8 is not None:
-            plan = _FP8Plan(self, fp8, self.fp8_state, _compute_dtype(x),
-                            self.weight.requires_grad and torch.is_grad_enabled())
-            return _FP8LinearFunction.apply(x, self.weight, self.bias, plan)
+            grad_enabled = torch.is_grad_enabled()
+            need_wgrad = self.weight.requires_grad and grad_enabled
+            # Only for that very tensor, unchanged since, with the transposed copy when wgrad needs it.
+            usable = (handed is not None and handed[0] is x and handed[1] == x._version
+                      and (handed[3] is not None or not need_wgrad))
+            plan = _FP8Plan(self, fp8, self.fp8_state, _compute_dtype(x), need_wgrad,
+                            handed[2:] if usable else None, grad_enabled)
+            y = _FP8LinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.bias, plan)
+            out = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+            if plan.handoff is not None:
+                consumer, yq, yq_t, scale_inv = plan.handoff
+                plan.handoff = None  # the plan lives on in the backward's context: it must not keep these alive
+                consumer.__dict__["_fp8_input"] = (out, out._version, yq, yq_t, scale_inv)
+            return out
         if self.activation is None:
             return self._plain_forward(x)
         return _LinearActFunction.apply(x, self.weight, self.bias, self.activation, self.weight_is_in_out,

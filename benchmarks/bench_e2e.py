@@ -33,7 +33,7 @@ def run(d: int, fused: bool, steps: int, out_dir: Path, validate: bool, extra: l
                  "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
                  "trainer.enable_checkpointing=false", *extra]
     if not fused:
-        overrides.append("fuse=null")
+        overrides = [o for o in overrides if not o.startswith("fuse.")] + ["fuse=null"]
     if validate:
         overrides += [f"trainer.val_check_interval={steps}", "trainer.limit_val_batches=16"]
     else:
@@ -61,14 +61,17 @@ def main():
     parser.add_argument("--dims", default="768,1600,2048,4096")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--parity-steps", type=int, default=0)
+    parser.add_argument("--convert", default="mlp", choices=["chains", "mlp", "all"],
+                        help="which linears the callback makes FP8 (fuse.convert)")
     args = parser.parse_args()
     print(environment())
     rows = []
     work = Path(tempfile.mkdtemp())
+    convert = [f"fuse.convert={args.convert}"]
     for d in [int(v) for v in args.dims.split(",")]:
-        row = {"d": d}
+        row = {"d": d, "convert": args.convert}
         for fused in (False, True):
-            result = run(d, fused, args.steps, work / f"d{d}_{fused}", False, [])
+            result = run(d, fused, args.steps, work / f"d{d}_{fused}", False, convert)
             row["fused_tok_s" if fused else "bf16_tok_s"] = result.tokens_per_sec
         row["speedup"] = row["fused_tok_s"] / row["bf16_tok_s"]
         rows.append(row)
@@ -79,7 +82,7 @@ def main():
         curves, parity = {}, []
         for fused in (False, True):
             out = work / f"parity_{fused}"
-            result = run(1600, fused, args.parity_steps, out, True, [])
+            result = run(1600, fused, args.parity_steps, out, True, convert)
             label = "lightning-fuse FP8" if fused else "bf16-mixed"
             curves[label] = train_losses(out)
             parity.append({"run": label, "steps": result.steps, "val_loss": result.val_loss,

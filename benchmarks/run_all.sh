@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and every benchmark on one GPU, each under its own time limit, and writes
+# results (CSV, JSON, PNG, logs) under $1 (default: results/). A short summary is printed last.
+#
+#   bash benchmarks/run_all.sh results
+#
+# Limits in seconds come from the environment: TESTS_S, OVERHEAD_S, KERNELS_S, MLP_S, E2E_S
+# (0 skips that step). A step cut off by its limit keeps what it wrote so far.
+set -u
+out="$(realpath -m "${1:-results}")"
+mkdir -p "$out"
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(dirname "$here")"
+step() {  # name, limit, command...
+  local name="$1" limit="$2"; shift 2
+  [ "$limit" = 0 ] && return
+  local start=$SECONDS
+  (cd "$here" && timeout "$limit" "$@" > "$out/$name.log" 2>&1)
+  echo "$name: exit $? after $((SECONDS - start)) s" >> "$out/summary.txt"
+}
+: > "$out/summary.txt"
+step gpu_tests "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider "$root/tests/test_gpu.py" "$root/tests/test_scale_update.py" "$root/tests/test_handoff.py"
+step overhead "${OVERHEAD_S:-60}" python bench_overhead.py --out "$out/overhead"
+step kernels "${KERNELS_S:-240}" python bench_kernels.py --out "$out/kernels"
+step mlp "${MLP_S:-200}" python bench_mlp.py --out "$out/mlp"
+step e2e "${E2E_S:-300}" python bench_e2e.py --steps 30 --parity-steps 200 --out "$out/e2e"
+cat "$out/summary.txt"
+tail -n 3 "$out/gpu_tests.log" 2>/dev/null
+for name in overhead kernels mlp e2e; do
+  [ -f "$out/$name.log" ] && { echo "== $name"; grep -v -i "warn" "$out/$name.log" | tail -n 12; }
+done
+exit 0

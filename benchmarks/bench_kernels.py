@@ -94,7 +94,7 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16):
         dbias = torch.empty(n, dtype=torch.float32, device="cuda")
 
         def run():
-            _launch(grad, pre, 2, scale, 2, amax, True, True, True, cfg, out, out_t, dbias)
+            _launch(grad, pre, 2, scale, 2, amax, True, True, True, cfg, out, out_t, dbias, False)
         try:
             run()
         except Exception as exc:  # a configuration the compiler rejects (e.g. out of resources)

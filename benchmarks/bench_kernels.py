@@ -84,7 +84,7 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16):
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for encoder, (bm, bn), warps, per_sm, tbytes in itertools.product(
-            ["ptx"], [(32, 64), (64, 64), (32, 128), (64, 128)], [4, 8], [8, 16], [False, True]):
+            ["ptx", "ptx4"], [(64, 64), (32, 128), (64, 128)], [4, 8], [8], [False, True]):
         os.environ["LIGHTNING_FUSE_FP8_ENCODER"] = encoder
         strips = -(-n // bn)
         groups = max(1, min(-(-m // bm), -(-(sms * per_sm) // strips)))

@@ -17,21 +17,30 @@ __all__ = [
     "check_scale",
     "launcher",
     "pick_config",
-    "use_ptx_encoder",
+    "ENCODERS",
+    "fp8_encoder",
     "use_triton",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def use_ptx_encoder(t: torch.Tensor) -> bool:
-    """Whether kernels encode FP8 with the hardware conversion (CUDA, compute capability 8.9+).
+ENCODERS = {"int": 0, "ptx": 1, "ptx4": 2}  # the kernels' ENCODER constexpr (fp8.py's fp8_codes)
 
-    ``LIGHTNING_FUSE_FP8_ENCODER=int`` forces the integer encoder (the benchmark compares both).
+
+def fp8_encoder(t: torch.Tensor) -> int:
+    """How kernels encode FP8 for ``t``'s device: integer arithmetic (0; the interpreter, GPUs before
+    compute capability 8.9) or the hardware conversion, one value per instruction (1, the default)
+    or four values per three instructions (2).
+
+    ``LIGHTNING_FUSE_FP8_ENCODER=int|ptx|ptx4`` picks one on GPUs (the benchmark compares them).
     """
-    if not t.is_cuda or os.environ.get("LIGHTNING_FUSE_FP8_ENCODER", "ptx") == "int":
-        return False
-    return _capability(t.device) >= (8, 9)
+    if not t.is_cuda:
+        return 0
+    choice = os.environ.get("LIGHTNING_FUSE_FP8_ENCODER", "ptx")
+    if choice not in ENCODERS:
+        raise ValueError(f"LIGHTNING_FUSE_FP8_ENCODER must be one of {', '.join(ENCODERS)}; got {choice!r}")
+    return ENCODERS[choice] if _capability(t.device) >= (8, 9) else 0
 
 
 _CAPABILITIES: dict[int, tuple[int, int]] = {}

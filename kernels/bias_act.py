@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from ._launch import (as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config, use_ptx_encoder,
+from ._launch import (as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config, fp8_encoder,
                       use_triton)
 from .activations import act_forward, activation_id, activation_reference
 from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
@@ -30,7 +30,7 @@ def _bias_act_kernel(
     FP8_FORMAT: tl.constexpr,  # 0: no FP8 copy
     TRANSPOSE: tl.constexpr,
     COMPUTE_AMAX: tl.constexpr,
-    USE_PTX: tl.constexpr,  # hardware FP8 conversion (GPU) or integer arithmetic (interpreter)
+    ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -65,7 +65,9 @@ def _bias_act_kernel(
         if COMPUTE_AMAX:
             amax_acc = tl.maximum(amax_acc, tl.where(y == y, tl.abs(y), float("inf")))
         if FP8_FORMAT != 0:
-            codes = fp8_codes(y * scale, FP8_FORMAT, USE_PTX)
+            codes = fp8_codes(y * scale, FP8_FORMAT, ENCODER)
+            if ENCODER == 2:
+                codes = codes.to(tl.int32)  # the transposition below moves int32 codes
             q_ptrs = q_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_q_m + offs_n[None, :]
             tl.store(q_ptrs, codes.to(tl.uint8), mask=mask)
             if TRANSPOSE:
@@ -98,7 +100,7 @@ def _bias_act_run(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int
             m, n, rows_per_group,
             ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=pre_act_out is not None,
             STORE_Y=True, FP8_FORMAT=fp8_code,
-            TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, USE_PTX=use_ptx_encoder(h),
+            TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(h),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     return y, q, q_t

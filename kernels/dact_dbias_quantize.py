@@ -23,7 +23,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from ._launch import (LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config,
-                      use_ptx_encoder, use_triton)
+                      fp8_encoder, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
 from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
 
@@ -45,7 +45,7 @@ def _dact_dbias_quantize_kernel(
     TRANSPOSE: tl.constexpr,
     COMPUTE_DBIAS: tl.constexpr,
     COMPUTE_AMAX: tl.constexpr,
-    USE_PTX: tl.constexpr,  # hardware FP8 conversion (GPU) or integer arithmetic (interpreter)
+    ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     TRANSPOSE_BYTES: tl.constexpr,  # transpose the uint8 codes (less shared memory) or their int32 form
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -79,8 +79,10 @@ def _dact_dbias_quantize_kernel(
         if STORE_OUT:
             if FP8_FORMAT != 0:
                 # Integer codes, not fp8 values: see fp8.py for why the transposed copy needs it.
-                codes = fp8_codes(dx * scale, FP8_FORMAT, USE_PTX)
+                codes = fp8_codes(dx * scale, FP8_FORMAT, ENCODER)
                 codes8 = codes.to(tl.uint8)
+                if ENCODER == 2:
+                    codes = codes8.to(tl.int32)  # the transposition below moves int32 codes
                 out_ptrs = out_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_out_m + offs_n[None, :]
                 tl.store(out_ptrs, codes8, mask=mask)
                 if TRANSPOSE:
@@ -126,7 +128,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         out.stride(0), out_t.stride(0) if transpose else 0,
         m, n, rows_per_group,
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
-        COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, USE_PTX=use_ptx_encoder(grad),
+        COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
         TRANSPOSE_BYTES=config.transpose_bytes,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )

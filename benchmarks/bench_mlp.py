@@ -59,12 +59,15 @@ def sqnr(a, b):
 
 def _unfused_backward():
     """Patches the modules' fused backward kernels with the PyTorch sequence they replace."""
-    def dact(grad, pre_act, activation, *, scale=None, fp8_dtype=None, amax=None, transpose=False):
+    def dact(grad, pre_act, activation, *, scale=None, fp8_dtype=None, amax=None, transpose=False,
+             dbias_dtype=torch.float32):
         approximate = "tanh" if activation == "gelu_tanh" else "none"
-        return unfused_dact_dbias_quantize(grad, pre_act, approximate, scale, fp8_dtype, amax, transpose)
+        q, q_t, db = unfused_dact_dbias_quantize(grad, pre_act, approximate, scale, fp8_dtype, amax, transpose)
+        return q, q_t, db.to(dbias_dtype)
 
-    def dbias(grad, *, scale=None, fp8_dtype=None, amax=None, transpose=False):
-        return unfused_dbias_quantize(grad, scale, fp8_dtype, amax, transpose)
+    def dbias(grad, *, scale=None, fp8_dtype=None, amax=None, transpose=False, dbias_dtype=torch.float32):
+        q, q_t, db = unfused_dbias_quantize(grad, scale, fp8_dtype, amax, transpose)
+        return q, q_t, db.to(dbias_dtype)
     return mock.patch.multiple("lightning_fuse.modules", dact_dbias_quantize=dact, dbias_quantize=dbias)
 
 

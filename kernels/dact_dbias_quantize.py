@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from ._launch import (LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config,
+from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config,
                       fp8_encoder, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
 from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
@@ -102,14 +102,20 @@ def _dact_dbias_quantize_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, BLOCK_N: tl.constexpr):
+def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, OUT_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
     # Fixed summation order over the row groups: the same bits on every run.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g in range(0, groups):
         acc += tl.load(partial_ptr + g * N + offs_n, mask=mask_n, other=0.0)
-    tl.store(out_ptr + offs_n, acc, mask=mask_n)
+    if OUT_BF16:
+        # Nearest-even by hand: the Triton interpreter's fp32 -> bf16 conversion truncates.
+        bits = acc.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+        tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + offs_n, rounded, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
@@ -134,7 +140,8 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
     )
     if compute_dbias:
         block = 256 if grad.is_cuda else 32
-        launcher(_sum_partials_kernel, traced)[(-(-n // block),)](partials, dbias, groups, n, BLOCK_N=block)
+        launcher(_sum_partials_kernel, traced)[(-(-n // block),)](
+            partials, dbias, groups, n, OUT_BF16=dbias.dtype == torch.bfloat16, BLOCK_N=block)
 
 
 def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: str | None, *,
@@ -162,7 +169,8 @@ def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Te
 
 def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
          fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool, config: LaunchConfig,
-         traced: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+         traced: bool, dbias_dtype: torch.dtype = torch.float32,
+         ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Allocates the outputs and runs the pass: ``(out, out_t or None, dbias or None)``."""
     m, n = grad.shape
     device = grad.device
@@ -171,7 +179,7 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
     dbias = None
     if compute_dbias:
         # Every element is written by the partial-sum kernel; only an empty batch needs the zeros.
-        dbias = (torch.empty if m > 0 else torch.zeros)((n,), dtype=torch.float32, device=device)
+        dbias = (torch.empty if m > 0 else torch.zeros)((n,), dtype=dbias_dtype, device=device)
     if m > 0:
         _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, True, config, out, out_t,
                 dbias, traced)
@@ -182,14 +190,15 @@ def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
     block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool, traced: bool,
+    dbias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias,
-                             LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes), traced)
+                             LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes), traced, dbias_dtype)
     # A registered op returns tensors: empty ones stand for the outputs not asked for.
     if out_t is None:
         out_t = torch.empty((0, 0), dtype=out.dtype, device=out.device)
     if dbias is None:
-        dbias = torch.empty((0,), dtype=torch.float32, device=out.device)
+        dbias = torch.empty((0,), dtype=dbias_dtype, device=out.device)
     return out, out_t, dbias
 
 
@@ -221,12 +230,15 @@ def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, scal
     return act, code
 
 
-def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compute_dbias=True):
+def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compute_dbias=True,
+             dbias_dtype=torch.float32):
     """Validates, flattens to rows, and runs the kernel (or the reference where Triton does not run).
 
     Kept lean: it runs for every FP8 tensor of every step, and its CPU time adds to the launch's.
     """
     act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
+    if dbias_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"`dbias_dtype` must be one of {', '.join(map(str, FLOAT_DTYPES))}; got {dbias_dtype!r}")
     n = grad.shape[-1]
     flat = grad.dim() == 2
     g2 = grad if flat else grad.reshape(-1, n)
@@ -234,24 +246,25 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
     if not use_triton(g2):
         out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                           fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
-        return out.view(grad.shape), out_t, (dbias if compute_dbias else None)
+        return out.view(grad.shape), out_t, (dbias.to(dbias_dtype) if compute_dbias else None)
     cfg = pick_config(g2.shape[0], n, g2.device)
     if scale is not None and scale.dim() != 0:
         scale = scale.reshape(())
     if torch.compiler.is_compiling():
         out, out_t, dbias = _dact_dbias_quantize_op(g2, p2, act, scale, code, amax, transpose, compute_dbias,
                                                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups,
-                                                    cfg.transpose_bytes, True)
+                                                    cfg.transpose_bytes, True, dbias_dtype)
         out_t = out_t if transpose else None
         dbias = dbias if compute_dbias else None
     else:
-        out, out_t, dbias = _run(g2, p2, act, scale, code, amax, transpose, compute_dbias, cfg, False)
+        out, out_t, dbias = _run(g2, p2, act, scale, code, amax, transpose, compute_dbias, cfg, False, dbias_dtype)
     return (out if flat else out.view(grad.shape)), out_t, dbias
 
 
 def dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, activation: str, *,
                         scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
-                        amax: Optional[torch.Tensor] = None, transpose: bool = False):
+                        amax: Optional[torch.Tensor] = None, transpose: bool = False,
+                        dbias_dtype: torch.dtype = torch.float32):
     """Activation gradient, bias gradient and FP8 quantization in one pass.
 
     Args:
@@ -264,10 +277,12 @@ def dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, activation: s
         amax: fp32 tensor with one element, max-reduced in place with ``max(|dx|)`` of the unscaled
             values (``inf`` if any value is NaN or infinite).
         transpose: also write the ``(M, N) -> (N, M)`` transposed FP8 copy (``M`` = leading elements).
+        dbias_dtype: dtype of the returned bias gradient (summed in fp32, rounded once at the end): the
+            bias parameter's dtype saves a cast.
 
     Returns:
         ``(dx, dx_t, dbias)``: ``dx`` shaped like ``grad``; ``dx_t`` of shape ``(N, M)`` or ``None``;
-        ``dbias`` fp32 ``(N,)``, summed in fp32 with a fixed order (the same bits every run).
+        ``dbias`` ``(N,)`` in ``dbias_dtype``, summed in fp32 with a fixed order (the same bits every run).
         With ``fp8_dtype``: ``dx = saturate(dx * scale)`` rounded to nearest-even.
 
     Raises:
@@ -276,17 +291,17 @@ def dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, activation: s
     """
     if activation is None:
         raise ValueError("`activation` must name an activation; use dbias_quantize for the plain bias gradient")
-    return run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
+    return run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, dbias_dtype=dbias_dtype)
 
 
 def dbias_quantize(grad: torch.Tensor, *, scale: Optional[torch.Tensor] = None,
                    fp8_dtype: Optional[torch.dtype] = None, amax: Optional[torch.Tensor] = None,
-                   transpose: bool = False):
+                   transpose: bool = False, dbias_dtype: torch.dtype = torch.float32):
     """``dact_dbias_quantize`` without the activation term: the backward of a plain linear with bias.
 
     Returns ``(dx, dx_t, dbias)`` where ``dx`` is ``grad`` quantized (or copied, without ``fp8_dtype``).
     """
-    return run_pass(grad, None, None, scale, fp8_dtype, amax, transpose)
+    return run_pass(grad, None, None, scale, fp8_dtype, amax, transpose, dbias_dtype=dbias_dtype)
 
 
 def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[torch.Tensor],

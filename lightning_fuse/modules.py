@@ -224,12 +224,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         bwd_dtype = recipe.backward_dtype
         if isinstance(recipe, DelayedScaling):
             scale_g, scale_inv_g, amax_g = plan.state.slot("backward", module.fp8_index)
+            dbias_dtype = module.bias.dtype if ctx.has_bias else torch.float32
             if activation:
                 dq, dq_t, dbias = dact_dbias_quantize(dy2, h, activation, scale=scale_g, fp8_dtype=bwd_dtype,
-                                                      amax=amax_g, transpose=need_wgrad)
+                                                      amax=amax_g, transpose=need_wgrad, dbias_dtype=dbias_dtype)
             else:
                 dq, dq_t, dbias = dbias_quantize(dy2, scale=scale_g, fp8_dtype=bwd_dtype, amax=amax_g,
-                                                 transpose=need_wgrad)
+                                                 transpose=need_wgrad, dbias_dtype=dbias_dtype)
         else:
             dq, dq_t, dbias, _, scale_g = dact_dbias_quantize_current_scaling(
                 dy2, h, activation, fp8_dtype=bwd_dtype, transpose=need_wgrad, margin=recipe.margin)

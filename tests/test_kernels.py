@@ -136,6 +136,19 @@ def test_dbias_is_bitwise_deterministic():
         assert torch.equal(dact_dbias_quantize(grad, pre, "gelu_tanh")[2], first)
 
 
+@pytest.mark.parametrize("dbias_dtype", [torch.bfloat16, torch.float16])
+def test_dbias_in_the_bias_dtype_is_the_fp32_sum_rounded_once(dbias_dtype):
+    grad, pre = _inputs((70,), 50, torch.bfloat16, seed=9)
+    scale = torch.ones((), device=DEVICE)
+    fp32 = dact_dbias_quantize(grad, pre, "gelu", scale=scale, fp8_dtype=torch.float8_e5m2)[2]
+    rounded = dact_dbias_quantize(grad, pre, "gelu", scale=scale, fp8_dtype=torch.float8_e5m2, dbias_dtype=dbias_dtype)[2]
+    assert rounded.dtype == dbias_dtype and torch.equal(rounded, fp32.to(dbias_dtype))
+    plain = dbias_quantize(grad, dbias_dtype=dbias_dtype)[2]
+    assert plain.dtype == dbias_dtype
+    with pytest.raises(ValueError, match=r"`dbias_dtype` must be one of .* got torch.int32"):
+        dbias_quantize(grad, dbias_dtype=torch.int32)
+
+
 def test_amax_is_max_reduced_in_place():
     grad, pre = _inputs((24,), 32, torch.float32)
     current = _reference(grad, pre, "silu").abs().max().item()

@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/run_all.sh results
 #
-# Limits in seconds come from the environment: TESTS_S, OVERHEAD_S, KERNELS_S, MLP_S, E2E_S
-# (0 skips that step). A step cut off by its limit keeps what it wrote so far.
+# Limits in seconds come from the environment: TESTS_S, OVERHEAD_S, KERNELS_S, MLP_S, E2E_S, and
+# E2E_ALL_S (fuse.convert=all at d=2048/4096) and SWEEP_S (launch-configuration and encoder sweep),
+# which are off by default (0 skips a step). A step cut off by its limit keeps what it wrote so far.
 set -u
 out="$(realpath -m "${1:-results}")"
 mkdir -p "$out"
@@ -24,9 +25,11 @@ step overhead "${OVERHEAD_S:-60}" python bench_overhead.py --out "$out/overhead"
 step kernels "${KERNELS_S:-240}" python bench_kernels.py --out "$out/kernels"
 step mlp "${MLP_S:-200}" python bench_mlp.py --out "$out/mlp"
 step e2e "${E2E_S:-300}" python bench_e2e.py --steps 30 --parity-steps 200 --out "$out/e2e"
+step e2e_all "${E2E_ALL_S:-0}" python bench_e2e.py --dims 2048,4096 --convert all --steps 30 --out "$out/e2e_all"
+step sweep "${SWEEP_S:-0}" python bench_kernels.py --sweep --sizes 8192x3072 --out "$out/sweep"
 cat "$out/summary.txt"
 tail -n 3 "$out/gpu_tests.log" 2>/dev/null
-for name in overhead kernels mlp e2e; do
+for name in overhead kernels mlp e2e e2e_all sweep; do
   [ -f "$out/$name.log" ] && { echo "== $name"; grep -v -i "warn" "$out/$name.log" | tail -n 12; }
 done
 exit 0

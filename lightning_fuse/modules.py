@@ -185,6 +185,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if handed is not None:
             # The producing chain's activation pass already wrote this input's FP8 copies (and its amax).
             xq, xq_t, scale_inv_x = handed
+            plan.handed = None  # the plan lives on in the backward's context, which needs no row-wise copy
         elif isinstance(recipe, DelayedScaling):
             scale_x, scale_inv_x, amax_x = plan.state.slot("forward", 2 * index)
             xq, xq_t = quantize(x2, scale=scale_x, fp8_dtype=recipe.forward_dtype, amax=amax_x, transpose=need_wgrad)
@@ -443,7 +444,7 @@ class FP8LinearBase(nn.Module):
             need_wgrad = self.weight.requires_grad and grad_enabled
             # Only for that very tensor, unchanged since, with the transposed copy when wgrad needs it.
             usable = (handed is not None and handed[0] is x and handed[1] == x._version
-                      and (handed[3] is not None or not need_wgrad))
+                      and (handed[3] is not None or not need_wgrad) and isinstance(fp8, DelayedScaling))
             plan = _FP8Plan(self, fp8, self.fp8_state, _compute_dtype(x), need_wgrad,
                             handed[2:] if usable else None, grad_enabled)
             y = _FP8LinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.bias, plan)

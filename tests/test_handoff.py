@@ -150,3 +150,25 @@ def test_inference_mode_forward_runs_without_hand_off():
     with torch.inference_mode(), fp8_autocast(DelayedScaling(), update_scales=False):
         got = model(x)
     assert torch.equal(got, expected)
+
+
+def test_the_row_wise_copy_handed_over_is_freed_after_the_consumer_forward():
+    import gc
+    import weakref
+
+    model = _mlp(seed=8)
+    fuse_(model, FuseConfig(convert="mlp", emulate=True))
+    x = torch.randn(20, 32, requires_grad=True)
+    with fp8_autocast(DelayedScaling()):
+        h = model[0](x)
+        handed = model[2].__dict__["_fp8_input"]
+        row_wise, transposed = weakref.ref(handed[2]), weakref.ref(handed[3])
+        del handed
+        y = model[2](h)
+    gc.collect()
+    assert row_wise() is None  # only the forward GEMM reads it
+    assert transposed() is not None  # saved for the weight gradient
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert transposed() is None

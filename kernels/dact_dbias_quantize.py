@@ -306,10 +306,12 @@ def dbias_quantize(grad: torch.Tensor, *, scale: Optional[torch.Tensor] = None,
 
 def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[torch.Tensor],
                                         activation: Optional[str], *, fp8_dtype: torch.dtype,
-                                        transpose: bool = False, margin: int = 0, compute_dbias: bool = True):
+                                        transpose: bool = False, margin: int = 0, compute_dbias: bool = True,
+                                        dbias_dtype: torch.dtype = torch.float32):
     """Current scaling: the scale comes from this tensor's own amax, so two passes (module docstring).
 
-    ``activation=None`` gives the current-scaling ``dbias_quantize``.
+    ``activation=None`` gives the current-scaling ``dbias_quantize``; ``dbias_dtype`` as in
+    ``dact_dbias_quantize``.
 
     Returns:
         ``(dx, dx_t, dbias, amax, scale)`` with ``scale = fp8_max / amax / 2**margin`` (1 where the
@@ -318,6 +320,8 @@ def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[to
     if fp8_dtype is None:
         raise ValueError("`fp8_dtype` is required: current scaling casts to torch.float8_e4m3fn or torch.float8_e5m2")
     act, code = _validate(grad, pre_act, activation, None, fp8_dtype, None, transpose, scale_given_by_caller=False)
+    if dbias_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"`dbias_dtype` must be one of {', '.join(map(str, FLOAT_DTYPES))}; got {dbias_dtype!r}")
     fmt = fp8_format(fp8_dtype)
     amax = torch.zeros(1, dtype=torch.float32, device=grad.device)
     leading = grad.shape[:-1]
@@ -329,11 +333,11 @@ def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[to
         scale = _scale_from_amax(amax, fmt.max, margin)
         out, out_t, _ = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                       fp8_dtype=fp8_dtype, transpose=transpose)
-        return out.view(*leading, n), out_t, (dbias if compute_dbias else None), amax, scale
+        return out.view(*leading, n), out_t, (dbias.to(dbias_dtype) if compute_dbias else None), amax, scale
     traced = torch.compiler.is_compiling()
     op = _current_scaling_op if traced else _current_scaling_impl
-    out, out_t, dbias = op(g2, p2, act, code, amax, transpose, fmt.max, margin, compute_dbias, traced)
-    scale = _scale_from_amax(amax, fmt.max, margin)
+    out, out_t, dbias, scale = op(g2, p2, act, code, amax, transpose, fmt.max, margin, compute_dbias, traced,
+                                  dbias_dtype)
     return (out.view(*leading, n), out_t if transpose else None,
             (dbias if compute_dbias else None), amax, scale)
 
@@ -345,20 +349,21 @@ def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.T
 
 def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, fp8_code: int,
                         amax: torch.Tensor, transpose: bool, fp8_max: float, margin: int, compute_dbias: bool,
-                        traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        traced: bool, dbias_dtype: torch.dtype,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = grad.shape
     cfg = pick_config(m, n, grad.device)
     out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
-    dbias = torch.zeros((n if compute_dbias else 0,), dtype=torch.float32, device=grad.device)
-    if m > 0:
-        # Pass 1: amax (and bias gradient); nothing written per element.
-        _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, cfg, out, out_t, dbias, traced)
-        scale = _scale_from_amax(amax, fp8_max, margin)
-        # Pass 2: the FP8 copies with the scale pass 1 produced.
-        _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, cfg, out, out_t, dbias,
-                traced)
-    return out, out_t, dbias
+    dbias = torch.zeros((n if compute_dbias else 0,), dtype=dbias_dtype, device=grad.device)
+    if m == 0:  # an empty batch: amax 0, so scale 1, as _scale_from_amax gives
+        return out, out_t, dbias, torch.ones((), dtype=torch.float32, device=grad.device)
+    # Pass 1: amax (and bias gradient); nothing written per element.
+    _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, cfg, out, out_t, dbias, traced)
+    scale = _scale_from_amax(amax, fp8_max, margin)
+    # Pass 2: the FP8 copies with the scale pass 1 produced.
+    _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, cfg, out, out_t, dbias, traced)
+    return out, out_t, dbias, scale
 
 
 _current_scaling_op = triton_op("lightning_fuse::quantize_current_scaling", _current_scaling_impl,

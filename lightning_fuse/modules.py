@@ -234,7 +234,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                                                  transpose=need_wgrad, dbias_dtype=dbias_dtype)
         else:
             dq, dq_t, dbias, _, scale_g = dact_dbias_quantize_current_scaling(
-                dy2, h, activation, fp8_dtype=bwd_dtype, transpose=need_wgrad, margin=recipe.margin)
+                dy2, h, activation, fp8_dtype=bwd_dtype, transpose=need_wgrad, margin=recipe.margin,
+                dbias_dtype=module.bias.dtype if ctx.has_bias else torch.float32)
             scale_inv_g = scale_g.reciprocal()
         dx = dweight = dbias_out = None
         if need_dgrad:

@@ -145,6 +145,9 @@ def test_dbias_in_the_bias_dtype_is_the_fp32_sum_rounded_once(dbias_dtype):
     assert rounded.dtype == dbias_dtype and torch.equal(rounded, fp32.to(dbias_dtype))
     plain = dbias_quantize(grad, dbias_dtype=dbias_dtype)[2]
     assert plain.dtype == dbias_dtype
+    current = dact_dbias_quantize_current_scaling(grad, pre, "gelu", fp8_dtype=torch.float8_e5m2,
+                                                  dbias_dtype=dbias_dtype)[2]
+    assert torch.equal(current, fp32.to(dbias_dtype))
     with pytest.raises(ValueError, match=r"`dbias_dtype` must be one of .* got torch.int32"):
         dbias_quantize(grad, dbias_dtype=torch.int32)
 

@@ -15,6 +15,7 @@ __all__ = [
     "check_amax",
     "check_float_tensor",
     "check_scale",
+    "device_has_fp8",
     "launcher",
     "pick_config",
     "ENCODERS",
@@ -40,17 +41,25 @@ def fp8_encoder(t: torch.Tensor) -> int:
     choice = os.environ.get("LIGHTNING_FUSE_FP8_ENCODER", "ptx")
     if choice not in ENCODERS:
         raise ValueError(f"LIGHTNING_FUSE_FP8_ENCODER must be one of {', '.join(ENCODERS)}; got {choice!r}")
-    return ENCODERS[choice] if _capability(t.device) >= (8, 9) else 0
+    return ENCODERS[choice] if device_has_fp8(t.device) else 0
 
 
-_CAPABILITIES: dict[int, tuple[int, int]] = {}
+_DEVICES: dict[int, tuple[tuple[int, int], int]] = {}  # index -> (compute capability, multiprocessors)
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
+    """Cached per CUDA device: asked on every launch and every FP8 forward. A plain dict, which
+    ``torch.compile`` reads as a constant (it warns about ``lru_cache``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITIES:
-        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITIES[index]
+    if index not in _DEVICES:
+        props = torch.cuda.get_device_properties(index)
+        _DEVICES[index] = ((props.major, props.minor), props.multi_processor_count)
+    return _DEVICES[index]
+
+
+def device_has_fp8(device: torch.device) -> bool:
+    """A CUDA device with FP8 tensor cores and conversions (compute capability 8.9 or newer)."""
+    return device.type == "cuda" and _device_info(device)[0] >= (8, 9)
 
 
 def launcher(kernel, traced: bool):
@@ -129,15 +138,6 @@ class LaunchConfig:
         return rows, -(-m // rows)
 
 
-_SM_COUNTS: dict[int, int] = {}  # a plain dict, which torch.compile reads as a constant (lru_cache it warns about)
-
-
-def _multiprocessors(index: int) -> int:
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
-
 def pick_config(m: int, n: int, device: torch.device, *, block_m: int = 64, block_n: int = 64,
                 num_warps: int = 8, programs_per_sm: int = 8) -> LaunchConfig:
     """Tiles and row groups for an ``(m, n)`` elementwise pass with a per-column reduction.
@@ -165,7 +165,7 @@ def _pick_config(m: int, n: int, device: torch.device, block_m: int, block_n: in
         block_m, block_n, num_warps = 16, 32, 1
         sms, programs_per_sm = 2, 2
     else:
-        sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+        sms = _device_info(device)[1]
     strips = -(-n // block_n)
     row_tiles = max(1, -(-m // block_m))
     groups = max(1, min(row_tiles, -(-(sms * programs_per_sm) // strips)))

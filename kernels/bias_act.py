@@ -66,8 +66,6 @@ def _bias_act_kernel(
             amax_acc = tl.maximum(amax_acc, tl.where(y == y, tl.abs(y), float("inf")))
         if FP8_FORMAT != 0:
             codes = fp8_codes(y * scale, FP8_FORMAT, ENCODER)
-            if ENCODER == 2:
-                codes = codes.to(tl.int32)  # the transposition below moves int32 codes
             q_ptrs = q_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_q_m + offs_n[None, :]
             tl.store(q_ptrs, codes.to(tl.uint8), mask=mask)
             if TRANSPOSE:

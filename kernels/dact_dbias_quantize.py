@@ -81,8 +81,6 @@ def _dact_dbias_quantize_kernel(
                 # Integer codes, not fp8 values: see fp8.py for why the transposed copy needs it.
                 codes = fp8_codes(dx * scale, FP8_FORMAT, ENCODER)
                 codes8 = codes.to(tl.uint8)
-                if ENCODER == 2:
-                    codes = codes8.to(tl.int32)  # the transposition below moves int32 codes
                 out_ptrs = out_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_out_m + offs_n[None, :]
                 tl.store(out_ptrs, codes8, mask=mask)
                 if TRANSPOSE:
@@ -207,8 +205,11 @@ _dact_dbias_quantize_op = triton_op("lightning_fuse::dact_dbias_quantize", _dact
                                     mutates_args={"amax"})
 
 
-def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, scale_given_by_caller=True):
+def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, dbias_dtype=torch.float32,
+              scale_given_by_caller=True):
     check_float_tensor(grad, "grad")
+    if dbias_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"`dbias_dtype` must be one of {', '.join(map(str, FLOAT_DTYPES))}; got {dbias_dtype!r}")
     act = 0
     if activation is not None:
         act = activation_id(activation)
@@ -236,9 +237,7 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
 
     Kept lean: it runs for every FP8 tensor of every step, and its CPU time adds to the launch's.
     """
-    act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose)
-    if dbias_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"`dbias_dtype` must be one of {', '.join(map(str, FLOAT_DTYPES))}; got {dbias_dtype!r}")
+    act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, dbias_dtype)
     n = grad.shape[-1]
     flat = grad.dim() == 2
     g2 = grad if flat else grad.reshape(-1, n)
@@ -319,9 +318,8 @@ def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[to
     """
     if fp8_dtype is None:
         raise ValueError("`fp8_dtype` is required: current scaling casts to torch.float8_e4m3fn or torch.float8_e5m2")
-    act, code = _validate(grad, pre_act, activation, None, fp8_dtype, None, transpose, scale_given_by_caller=False)
-    if dbias_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"`dbias_dtype` must be one of {', '.join(map(str, FLOAT_DTYPES))}; got {dbias_dtype!r}")
+    act, code = _validate(grad, pre_act, activation, None, fp8_dtype, None, transpose, dbias_dtype,
+                          scale_given_by_caller=False)
     fmt = fp8_format(fp8_dtype)
     amax = torch.zeros(1, dtype=torch.float32, device=grad.device)
     leading = grad.shape[:-1]

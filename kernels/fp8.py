@@ -117,11 +117,11 @@ def fp8_encode_ptx4(x, FP8_FORMAT: tl.constexpr):
 
 @triton.jit
 def fp8_codes(x, FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr):
-    """FP8 byte codes of fp32 ``x`` (``_launch.fp8_encoder`` picks ``ENCODER``): int32 codes from
-    integer arithmetic (0) or the per-value hardware conversion (1); uint8 codes from the packed
-    hardware conversion (2)."""
+    """FP8 byte codes (int32 in 0..255) of fp32 ``x``; ``_launch.fp8_encoder`` picks ``ENCODER``:
+    integer arithmetic (0), the per-value hardware conversion (1) or the packed one (2). Callers
+    truncate to uint8 for stores and transpose the int32 form (fp8.py's module docstring)."""
     if ENCODER == 2:
-        return fp8_encode_ptx4(x, FP8_FORMAT)
+        return fp8_encode_ptx4(x, FP8_FORMAT).to(tl.int32)
     elif ENCODER == 1:
         return fp8_encode_ptx(x, FP8_FORMAT)
     else:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._launch import use_triton
 
-__all__ = ["MAX_KERNEL_HISTORY", "update_scales", "update_scales_reference"]
+__all__ = ["MAX_KERNEL_HISTORY", "aligned_scales", "update_scales", "update_scales_reference"]
 
 MAX_KERNEL_HISTORY = 8192  # longer histories take the PyTorch path (one program holds a column block)
 
@@ -56,8 +56,19 @@ def _update_scales_kernel(
 
 
 def _aligned_empty(slots: int, device: torch.device) -> torch.Tensor:
-    """A 1-D fp32 view with elements 16 bytes apart (cuBLASLt wants 16-byte aligned scale pointers)."""
+    """A 1-D fp32 view with elements 16 bytes apart.
+
+    cuBLASLt answers CUBLAS_STATUS_NOT_SUPPORTED for an FP8 GEMM whose scale pointer is not 16-byte
+    aligned (seen on an H200, torch 2.11): each slot's scale must be usable on its own.
+    """
     return torch.empty(slots, 4, dtype=torch.float32, device=device)[:, 0]
+
+
+def aligned_scales(values: torch.Tensor) -> torch.Tensor:
+    """1-D fp32 ``values`` copied into a view whose elements sit 16 bytes apart (``_aligned_empty``)."""
+    out = _aligned_empty(values.shape[0], values.device)
+    out.copy_(values)
+    return out
 
 
 def update_scales(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.Tensor, *, fp8_max: float,
@@ -91,10 +102,7 @@ def update_scales_reference(history: torch.Tensor, scale: torch.Tensor, nonfinit
     amax = history.amax(dim=0) if use_max else newest
     usable = finite & (amax > 0)
     new = torch.where(usable, fp8_max / amax.clamp_min(torch.finfo(torch.float32).tiny) / (2.0 ** margin), scale)
-    new_scale = _aligned_empty(new.shape[0], new.device)
-    new_scale.copy_(new)
-    new_scale_inv = _aligned_empty(new.shape[0], new.device)
-    new_scale_inv.copy_(new.reciprocal())
+    new_scale, new_scale_inv = aligned_scales(new), aligned_scales(new.reciprocal())
     history = torch.roll(history, 1, dims=0)
     history[0].zero_()
     return history, new_scale, new_scale_inv

@@ -35,6 +35,7 @@ from lightning_fuse.kernels import (
     dact_dbias_quantize,
     dact_dbias_quantize_current_scaling,
     dbias_quantize,
+    device_has_fp8,
     quantize,
     quantize_current_scaling,
     use_triton,
@@ -101,10 +102,6 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
-
-
-def _device_has_fp8(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @dataclass
@@ -378,7 +375,7 @@ class FP8LinearBase(nn.Module):
             name = self._fqn()
             _warn_once(f"shape:{name}", f"{name}: running in high precision: {self.fp8_reason}")
             return None
-        if not (_device_has_fp8(x.device) or (self.emulate and x.device.type == "cpu")):
+        if not (device_has_fp8(x.device) or (self.emulate and x.device.type == "cpu")):
             why = ("the GPU has no FP8 (compute capability 8.9 or newer needed)" if x.device.type == "cuda"
                    else f"FP8 GEMMs need a CUDA GPU; the input is on {x.device} (emulate=True runs them on CPU)")
             _warn_once(f"device:{x.device.type}", f"lightning_fuse: running in high precision: {why}")

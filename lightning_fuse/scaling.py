@@ -28,7 +28,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_fuse.kernels import update_scales
+from lightning_fuse.kernels import aligned_scales, update_scales
 
 from .recipe import DelayedScaling
 
@@ -37,24 +37,13 @@ __all__ = ["FP8ScalingState"]
 _GROUPS = ("forward", "backward")
 
 
-def _aligned(values: torch.Tensor) -> torch.Tensor:
-    """``values`` (1-D fp32) copied into a view whose elements sit 16 bytes apart.
-
-    cuBLASLt answers CUBLAS_STATUS_NOT_SUPPORTED for an FP8 GEMM whose scale pointer is not 16-byte
-    aligned (seen on an H200, torch 2.11): each slot's scale must be usable on its own.
-    """
-    storage = torch.zeros(values.shape[0], 4, dtype=torch.float32, device=values.device)
-    storage[:, 0] = values
-    return storage[:, 0]
-
-
 class _Group:
     """History, scales and non-finite counters of one kind of tensor (forward or backward)."""
 
     def __init__(self, history_len: int, slots: int, device: torch.device) -> None:
         self.history = torch.zeros(history_len, slots, dtype=torch.float32, device=device)
-        self.scale = _aligned(torch.ones(slots, dtype=torch.float32, device=device))
-        self.scale_inv = _aligned(torch.ones(slots, dtype=torch.float32, device=device))
+        self.scale = aligned_scales(torch.ones(slots, dtype=torch.float32, device=device))
+        self.scale_inv = aligned_scales(torch.ones(slots, dtype=torch.float32, device=device))
         self.nonfinite = torch.zeros(slots, dtype=torch.int64, device=device)
         self._views: Optional[tuple] = None
 
@@ -105,7 +94,7 @@ class FP8ScalingState:
         if fwd.history.device != device:
             for group in self.groups.values():
                 for key, value in group.tensors().items():
-                    setattr(group, key, _aligned(value.to(device)) if key.startswith("scale") else value.to(device))
+                    setattr(group, key, aligned_scales(value.to(device)) if key.startswith("scale") else value.to(device))
         if self.history_len != history_len:
             for group in self.groups.values():
                 old = group.history
@@ -188,4 +177,4 @@ class FP8ScalingState:
             device = group.history.device
             for key in group.tensors():
                 value = state[f"{name}.{key}"].to(device)
-                setattr(group, key, _aligned(value) if key.startswith("scale") else value.clone())
+                setattr(group, key, aligned_scales(value) if key.startswith("scale") else value.clone())

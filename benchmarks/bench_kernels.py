@@ -74,38 +74,81 @@ def _poison_like(*shapes_dtypes):
     del blocks
 
 
-def sweep(m=16384, n=6400, dtype=torch.bfloat16):
-    """Times launch configurations of the fused kernel (checking each) and returns the rows."""
+def _resident_per_sm(compiled, warps: int) -> int:
+    """Programs of ``compiled`` one multiprocessor holds at once (registers, shared memory, warps)."""
+    props = torch.cuda.get_device_properties(0)
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = props.regs_per_multiprocessor // max(1, regs_per_warp * warps)
+    shared = compiled.metadata.shared
+    by_shared = props.shared_memory_per_multiprocessor // shared if shared else 32
+    return max(1, min(32, props.max_threads_per_multi_processor // (32 * warps), by_regs, by_shared))
+
+
+def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=(1, 2, 4, 8, 16), top=4):
+    """Times launch configurations of the fused kernel, checking each, and returns the rows.
+
+    Stage 1 crosses tiles, warps and loop-pipelining depth with programs per multiprocessor; stage 2
+    takes the best few and adds the packed encoder, byte transposes and finer program counts
+    (``occ`` = exactly one wave at the kernel's occupancy).
+    """
     grad = torch.randn(m, n, device="cuda", dtype=dtype)
     pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
     scale = torch.tensor(2048.0, device="cuda")
     amax = torch.zeros(1, device="cuda")
     ref = _dact_reference(grad, pre, scale, GRAD)
-    rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for encoder, (bm, bn), warps, per_sm, tbytes in itertools.product(
-            ["ptx", "ptx4"], [(64, 64), (32, 128), (64, 128)], [4, 8], [8], [False, True]):
+    out = torch.empty(m, n, dtype=torch.uint8, device="cuda")
+    out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
+    dbias = torch.empty(n, dtype=torch.float32, device="cuda")
+    rows, seen = [], set()
+
+    def time(encoder, bm, bn, warps, stages, tbytes, per_sm):
         os.environ["LIGHTNING_FUSE_FP8_ENCODER"] = encoder
         strips = -(-n // bn)
-        groups = max(1, min(-(-m // bm), -(-(sms * per_sm) // strips)))
-        cfg = LaunchConfig(bm, bn, warps, groups, tbytes)
-        out = torch.empty(m, n, dtype=torch.uint8, device="cuda")
-        out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
-        dbias = torch.empty(n, dtype=torch.float32, device="cuda")
-
-        def run():
-            _launch(grad, pre, 2, scale, 2, amax, True, True, True, cfg, out, out_t, dbias, False)
+        base = LaunchConfig(bm, bn, warps, 1, tbytes, stages)
+        row = dict(M=m, N=n, encoder=encoder, block_m=bm, block_n=bn, warps=warps, stages=stages,
+                   transpose_bytes=tbytes, per_sm=per_sm)
         try:
+            compiled = _launch(grad, pre, 2, scale, 2, amax, True, True, True, base, out, out_t, dbias, False)
+            resident = _resident_per_sm(compiled, warps)
+            target = resident if per_sm == "occ" else 2 * resident if per_sm == "occ2" else per_sm
+            groups = max(1, min(-(-m // bm), -(-(sms * target) // strips)))
+            cfg = LaunchConfig(bm, bn, warps, groups, tbytes, stages)
+            key = (encoder, bm, bn, warps, stages, tbytes, cfg.row_groups(m))
+            if key in seen:
+                return None
+            seen.add(key)
+
+            def run():
+                _launch(grad, pre, 2, scale, 2, amax, True, True, True, cfg, out, out_t, dbias, False)
+            out.fill_(255)
+            out_t.fill_(255)
             run()
+            ok, _ = _check(f"sweep {cfg}", (out.view(GRAD), out_t.view(GRAD), dbias), ref)
+            ms = graph_ms(run, rep_ms=100)
+            row.update(regs=compiled.n_regs, spills=compiled.n_spills, shared=compiled.metadata.shared,
+                       resident=resident, groups=cfg.row_groups(m)[1], ms=ms,
+                       GBps=m * n * (2 * grad.element_size() + 2) / ms / 1e6, ok=str(ok))
         except Exception as exc:  # a configuration the compiler rejects (e.g. out of resources)
-            rows.append(dict(encoder=encoder, block_m=bm, block_n=bn, warps=warps, per_sm=per_sm,
-                             transpose_bytes=tbytes, ms=float("nan"), ok=repr(exc)[:60]))
-            continue
-        ok, _ = _check(f"sweep {cfg}", (out.view(GRAD), out_t.view(GRAD), dbias), ref)
-        ms = graph_ms(run)
-        rows.append(dict(encoder=encoder, block_m=bm, block_n=bn, warps=warps, per_sm=per_sm, transpose_bytes=tbytes,
-                         ms=ms, ok=str(ok)))
-    os.environ.pop("LIGHTNING_FUSE_FP8_ENCODER")
+            row.update(ms=float("nan"), ok=repr(exc)[:80])
+        rows.append(row)
+        return row
+
+    for (bm, bn), warps, stages in itertools.product([(64, 64), (128, 64), (64, 128), (32, 128), (128, 128)],
+                                                     [4, 8], [0, 1, 2, 3]):
+        for per_sm in per_sm_values:
+            time("ptx", bm, bn, warps, stages, False, per_sm)
+    finite = sorted((r for r in rows if r["ms"] == r["ms"]), key=lambda r: r["ms"])
+    best = []
+    for r in finite:
+        k = (r["block_m"], r["block_n"], r["warps"], r["stages"])
+        if k not in best:
+            best.append(k)
+    for bm, bn, warps, stages in best[:top]:
+        for encoder, tbytes, per_sm in itertools.product(["ptx", "ptx4"], [False, True],
+                                                         [1, 2, 3, 4, 6, 8, 12, 16, 32, "occ", "occ2"]):
+            time(encoder, bm, bn, warps, stages, tbytes, per_sm)
+    os.environ.pop("LIGHTNING_FUSE_FP8_ENCODER", None)
     return rows
 
 
@@ -184,6 +227,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/kernels")
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the fused kernel")
+    parser.add_argument("--sweep-sizes", default="16384x6400", help="sizes the sweep runs at")
+    parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -192,9 +237,19 @@ def main():
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
     extra = {"copy_GBps": copy_gbps}
     if args.sweep:
-        sweep_rows = sweep()
-        write_results(args.out, "sweep", sweep_rows)
-        print_table(sorted(sweep_rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:10], list(sweep_rows[0]))
+        sweep_rows = []
+        for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
+            sweep_rows += sweep(m, n)
+            write_results(args.out, "sweep", sweep_rows, extra)
+            done = [r for r in sweep_rows if r["M"] == m and r["N"] == n]
+            for r in done:
+                r["frac_copy"] = r.get("GBps", float("nan")) / copy_gbps
+            print_table(sorted(done, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:12],
+                        ["encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes", "per_sm", "regs",
+                         "resident", "groups", "ms", "frac_copy", "ok"])
+        write_results(args.out, "sweep", sweep_rows, extra)
+        if args.sweep_only:
+            return
     rows = bench(sizes, DTYPES, copy_gbps, args.out)
     out = write_results(args.out, "kernels", rows, extra)
     plot(rows, out / "kernels.png")

@@ -72,6 +72,38 @@ def kernel_rows(m: int, n: int) -> list[dict]:
     return rows
 
 
+def launch_rows() -> list[dict]:
+    """Host cost of launching one Triton kernel with the fused kernel's argument count: through
+    ``JITFunction`` (binding, specialization, cache lookup) against calling the compiled kernel's
+    launcher directly, and a bare ``torch._scaled_mm``."""
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def touch(p0, p1, p2, p3, p4, p5, p6, s0, s1, s2, s3, s4, s5, m, n, r,
+              A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(p0 + offs, tl.load(p1 + offs) + m)
+
+    t = [torch.zeros(1024, device="cuda") for _ in range(7)]
+    ints = (4096, 1, 4096, 1, 4096, 4096, 8192, 4096, 64)
+    jit = lambda: touch[(1,)](*t, *ints, A=1, B=2, C=True, BLOCK=128)
+    compiled = jit()
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (*t, *ints, 1, 2, True, 128)
+    direct = lambda: compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                                  *args)
+    a = torch.randn(4096, 4096, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(4096, 4096, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    mm = lambda: torch._scaled_mm(a[:64], b[:, :64], scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return [{"what": name, "host_ms": host_ms(fn, 2000, warmup=5), "device_ms": float("nan"), "wall_ms": float("nan")}
+            for name, fn in (("triton launch through JITFunction (22 args)", jit),
+                             ("triton launch, compiled kernel called directly", direct),
+                             ("torch._scaled_mm 64x4096x64", mm), ("torch.empty", lambda: torch.empty(64, device="cuda")))]
+
+
 def mlp_rows(d: int, tokens: int, out_dir: Path) -> list[dict]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)).cuda().bfloat16()
@@ -178,7 +210,7 @@ def main():
         return
     out.mkdir(parents=True, exist_ok=True)
     print(environment())
-    rows = kernel_rows(8192, 3072)
+    rows = launch_rows() + kernel_rows(8192, 3072)
     for d in [int(v) for v in args.dims.split(",")]:
         rows += mlp_rows(d, args.tokens, out)
     write_results(out, "overhead", rows)

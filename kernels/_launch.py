@@ -130,6 +130,7 @@ class LaunchConfig:
     num_warps: int
     groups: int  # programs along M; each walks ceil(M / groups) rows, tile by tile
     transpose_bytes: bool = False  # transpose 8-bit codes (True) or their int32 form (False) in shared memory
+    loop_stages: int = 0  # software-pipeline depth of the row loop (0: the compiler's choice)
 
     def row_groups(self, m: int) -> tuple[int, int]:
         """``(rows_per_group, groups)`` for ``m`` rows: whole tiles per group, no empty group."""

@@ -47,6 +47,7 @@ def _dact_dbias_quantize_kernel(
     COMPUTE_AMAX: tl.constexpr,
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     TRANSPOSE_BYTES: tl.constexpr,  # transpose the uint8 codes (less shared memory) or their int32 form
+    LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -60,7 +61,7 @@ def _dact_dbias_quantize_kernel(
     amax_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP8_FORMAT != 0:
         scale = tl.load(scale_ptr)
-    for m0 in range(row_start, row_start + rows_per_group, BLOCK_M):
+    for m0 in tl.range(row_start, row_start + rows_per_group, BLOCK_M, num_stages=LOOP_STAGES):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask = (offs_m < M)[:, None] & mask_n[None, :]
         grad = tl.load(grad_ptr + offs_m[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
@@ -117,15 +118,16 @@ def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, OUT_BF16: tl.constexpr
 
 
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
-            compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool) -> None:
+            compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool):
     """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs (``out_t``/``dbias`` may be
-    ``None`` when not written)."""
+    ``None`` when not written). Returns what the main launch returned (in eager mode the compiled
+    kernel, whose register and shared-memory use the benchmark's sweep reports)."""
     m, n = grad.shape
     rows_per_group, groups = config.row_groups(m)
     partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else out
     stride_grad = grad.stride()
     stride_pre = pre_act.stride() if pre_act is not None else (0, 0)
-    launcher(_dact_dbias_quantize_kernel, traced)[(-(-n // config.block_n), groups)](
+    compiled = launcher(_dact_dbias_quantize_kernel, traced)[(-(-n // config.block_n), groups)](
         grad, pre_act if pre_act is not None else grad, out, out_t if transpose else out, partials,
         scale if scale is not None else grad, amax if amax is not None else grad,
         stride_grad[0], stride_grad[1], stride_pre[0], stride_pre[1],
@@ -133,13 +135,14 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         m, n, rows_per_group,
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
         COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
-        TRANSPOSE_BYTES=config.transpose_bytes,
+        TRANSPOSE_BYTES=config.transpose_bytes, LOOP_STAGES=config.loop_stages or None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
     if compute_dbias:
         block = 256 if grad.is_cuda else 32
         launcher(_sum_partials_kernel, traced)[(-(-n // block),)](
             partials, dbias, groups, n, OUT_BF16=dbias.dtype == torch.bfloat16, BLOCK_N=block)
+    return compiled
 
 
 def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: str | None, *,
@@ -187,11 +190,11 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
-    block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool, traced: bool,
+    block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool, loop_stages: int, traced: bool,
     dbias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias,
-                             LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes), traced, dbias_dtype)
+                             LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes, loop_stages), traced, dbias_dtype)
     # A registered op returns tensors: empty ones stand for the outputs not asked for.
     if out_t is None:
         out_t = torch.empty((0, 0), dtype=out.dtype, device=out.device)
@@ -252,7 +255,7 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
     if torch.compiler.is_compiling():
         out, out_t, dbias = _dact_dbias_quantize_op(g2, p2, act, scale, code, amax, transpose, compute_dbias,
                                                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups,
-                                                    cfg.transpose_bytes, True, dbias_dtype)
+                                                    cfg.transpose_bytes, cfg.loop_stages, True, dbias_dtype)
         out_t = out_t if transpose else None
         dbias = dbias if compute_dbias else None
     else:

@@ -299,3 +299,28 @@ def test_eager_calls_launch_the_kernels_directly(monkeypatch):
     dact_dbias_quantize_current_scaling(grad, pre, "silu", fp8_dtype=torch.float8_e5m2, transpose=True)
     assert wrapped == []
     assert launch.launcher(object, traced=False) is object
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_m=16, block_n=32, num_warps=1, groups=1),
+    dict(block_m=32, block_n=16, num_warps=2, groups=3, loop_stages=2),
+    dict(block_m=16, block_n=64, num_warps=4, groups=5, transpose_bytes=True, loop_stages=3),
+])
+def test_every_launch_configuration_gives_the_same_bits(config):
+    # The benchmark sweeps these knobs; each must only change speed, never a single output bit.
+    from lightning_fuse.kernels._launch import LaunchConfig
+    from lightning_fuse.kernels.dact_dbias_quantize import _launch
+
+    grad, pre = _inputs((83,), 72, torch.bfloat16)
+    scale, fp8_dtype = torch.tensor(64.0, device=DEVICE), torch.float8_e5m2
+    expected = dact_dbias_quantize(grad, pre, "gelu_tanh", scale=scale, fp8_dtype=fp8_dtype, transpose=True)
+    out = torch.empty(83, 72, dtype=fp8_dtype, device=DEVICE)
+    out_t = torch.empty(72, 83, dtype=fp8_dtype, device=DEVICE)
+    dbias = torch.empty(72, dtype=torch.float32, device=DEVICE)
+    amax = torch.zeros(1, device=DEVICE)
+    _launch(grad, pre, 2, scale, 2, amax, True, True, True, LaunchConfig(**config), out, out_t, dbias, False)
+    assert torch.equal(out.view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(out_t.view(torch.uint8), expected[1].view(torch.uint8))
+    dx64 = _reference(grad, pre, "gelu_tanh")
+    _check_dbias(dbias.cpu(), dx64.cpu())
+    assert amax.item() == pytest.approx(dx64.abs().max().item(), rel=1e-5)

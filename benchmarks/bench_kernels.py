@@ -111,8 +111,10 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=(1, 2, 4, 8, 16),
         try:
             compiled = _launch(grad, pre, 2, scale, 2, amax, True, True, True, base, out, out_t, dbias, False)
             resident = _resident_per_sm(compiled, warps)
-            target = resident if per_sm == "occ" else 2 * resident if per_sm == "occ2" else per_sm
-            groups = max(1, min(-(-m // bm), -(-(sms * target) // strips)))
+            if per_sm in ("occ", "occ2"):  # whole waves: never a partly filled last one
+                groups = max(1, min(-(-m // bm), (sms * resident * (2 if per_sm == "occ2" else 1)) // strips))
+            else:
+                groups = max(1, min(-(-m // bm), -(-(sms * per_sm) // strips)))
             cfg = LaunchConfig(bm, bn, warps, groups, tbytes, stages)
             key = (encoder, bm, bn, warps, stages, tbytes, cfg.row_groups(m))
             if key in seen:

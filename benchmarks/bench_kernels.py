@@ -84,13 +84,18 @@ def _resident_per_sm(compiled, warps: int) -> int:
     return max(1, min(32, props.max_threads_per_multi_processor // (32 * warps), by_regs, by_shared))
 
 
-def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=(1, 2, 4, 8, 16), top=4):
-    """Times launch configurations of the fused kernel, checking each, and returns the rows.
+# (encoder, block_m, block_n, warps, loop stages, byte transposes): the shipped default first.
+SWEEP_VARIANTS = [
+    ("ptx", 64, 64, 8, 0, False), ("ptx", 64, 64, 8, 2, False), ("ptx", 64, 64, 8, 3, False),
+    ("ptx", 64, 64, 4, 0, False), ("ptx", 128, 64, 8, 0, False), ("ptx", 64, 128, 8, 0, False),
+    ("ptx", 32, 128, 4, 0, False), ("ptx4", 64, 64, 8, 0, False), ("ptx", 64, 64, 8, 0, True),
+]
 
-    Stage 1 crosses tiles, warps and loop-pipelining depth with programs per multiprocessor; stage 2
-    takes the best few and adds the packed encoder, byte transposes and finer program counts
-    (``occ`` = exactly one wave at the kernel's occupancy).
-    """
+
+def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2, 4, 8), on_row=None):
+    """Times launch configurations of the fused kernel (``SWEEP_VARIANTS`` x programs per
+    multiprocessor, ``occ`` = exactly one wave at the compiled kernel's occupancy), checking every
+    output of each, and returns the rows; ``on_row`` sees each row as it is made."""
     grad = torch.randn(m, n, device="cuda", dtype=dtype)
     pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
     scale = torch.tensor(2048.0, device="cuda")
@@ -101,15 +106,14 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=(1, 2, 4, 8, 16),
     out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
     dbias = torch.empty(n, dtype=torch.float32, device="cuda")
     rows, seen = [], set()
-
-    def time(encoder, bm, bn, warps, stages, tbytes, per_sm):
+    for (encoder, bm, bn, warps, stages, tbytes), per_sm in itertools.product(SWEEP_VARIANTS, per_sm_values):
         os.environ["LIGHTNING_FUSE_FP8_ENCODER"] = encoder
         strips = -(-n // bn)
-        base = LaunchConfig(bm, bn, warps, 1, tbytes, stages)
         row = dict(M=m, N=n, encoder=encoder, block_m=bm, block_n=bn, warps=warps, stages=stages,
                    transpose_bytes=tbytes, per_sm=per_sm)
         try:
-            compiled = _launch(grad, pre, 2, scale, 2, amax, True, True, True, base, out, out_t, dbias, False)
+            compiled = _launch(grad, pre, 2, scale, 2, amax, True, True, True,
+                               LaunchConfig(bm, bn, warps, 1, tbytes, stages), out, out_t, dbias, False)
             resident = _resident_per_sm(compiled, warps)
             if per_sm in ("occ", "occ2"):  # whole waves: never a partly filled last one
                 groups = max(1, min(-(-m // bm), (sms * resident * (2 if per_sm == "occ2" else 1)) // strips))
@@ -118,7 +122,7 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=(1, 2, 4, 8, 16),
             cfg = LaunchConfig(bm, bn, warps, groups, tbytes, stages)
             key = (encoder, bm, bn, warps, stages, tbytes, cfg.row_groups(m))
             if key in seen:
-                return None
+                continue
             seen.add(key)
 
             def run():
@@ -127,29 +131,15 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=(1, 2, 4, 8, 16),
             out_t.fill_(255)
             run()
             ok, _ = _check(f"sweep {cfg}", (out.view(GRAD), out_t.view(GRAD), dbias), ref)
-            ms = graph_ms(run, rep_ms=100)
+            ms = graph_ms(run, rep_ms=60)
             row.update(regs=compiled.n_regs, spills=compiled.n_spills, shared=compiled.metadata.shared,
                        resident=resident, groups=cfg.row_groups(m)[1], ms=ms,
                        GBps=m * n * (2 * grad.element_size() + 2) / ms / 1e6, ok=str(ok))
         except Exception as exc:  # a configuration the compiler rejects (e.g. out of resources)
             row.update(ms=float("nan"), ok=repr(exc)[:80])
         rows.append(row)
-        return row
-
-    for (bm, bn), warps, stages in itertools.product([(64, 64), (128, 64), (64, 128), (32, 128), (128, 128)],
-                                                     [4, 8], [0, 1, 2, 3]):
-        for per_sm in per_sm_values:
-            time("ptx", bm, bn, warps, stages, False, per_sm)
-    finite = sorted((r for r in rows if r["ms"] == r["ms"]), key=lambda r: r["ms"])
-    best = []
-    for r in finite:
-        k = (r["block_m"], r["block_n"], r["warps"], r["stages"])
-        if k not in best:
-            best.append(k)
-    for bm, bn, warps, stages in best[:top]:
-        for encoder, tbytes, per_sm in itertools.product(["ptx", "ptx4"], [False, True],
-                                                         [1, 2, 3, 4, 6, 8, 12, 16, 32, "occ", "occ2"]):
-            time(encoder, bm, bn, warps, stages, tbytes, per_sm)
+        if on_row is not None:
+            on_row(rows)
     os.environ.pop("LIGHTNING_FUSE_FP8_ENCODER", None)
     return rows
 
@@ -239,17 +229,19 @@ def main():
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
     extra = {"copy_GBps": copy_gbps}
     if args.sweep:
+        columns = ["M", "N", "encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes", "per_sm", "regs",
+                   "resident", "groups", "ms", "frac_copy", "ok"]
         sweep_rows = []
+
+        def on_row(rows):  # written and printed row by row: a run cut off by its time limit keeps them
+            rows[-1]["frac_copy"] = rows[-1].get("GBps", float("nan")) / copy_gbps
+            write_results(args.out, "sweep", sweep_rows + rows, extra)
+            print_table(rows[-1:], columns)
+
         for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
-            sweep_rows += sweep(m, n)
-            write_results(args.out, "sweep", sweep_rows, extra)
-            done = [r for r in sweep_rows if r["M"] == m and r["N"] == n]
-            for r in done:
-                r["frac_copy"] = r.get("GBps", float("nan")) / copy_gbps
-            print_table(sorted(done, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:12],
-                        ["encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes", "per_sm", "regs",
-                         "resident", "groups", "ms", "frac_copy", "ok"])
-        write_results(args.out, "sweep", sweep_rows, extra)
+            sweep_rows += sweep(m, n, on_row=on_row)
+        print("fastest:")
+        print_table(sorted(sweep_rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:8], columns)
         if args.sweep_only:
             return
     rows = bench(sizes, DTYPES, copy_gbps, args.out)

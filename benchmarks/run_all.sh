@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/run_all.sh results
 #
-# Limits in seconds come from the environment: TESTS_S, OVERHEAD_S, KERNELS_S, MLP_S, E2E_S, and
+# TEST_FILES names the test files (under tests/) run on the GPU. Limits in seconds come from the environment: TESTS_S, OVERHEAD_S, KERNELS_S, MLP_S, E2E_S, and
 # E2E_ALL_S (fuse.convert=all at d=2048/4096) and SWEEP_S (launch-configuration and encoder sweep),
 # which are off by default (0 skips a step). A step cut off by its limit keeps what it wrote so far.
 set -u
@@ -20,7 +20,8 @@ step() {  # name, limit, command...
   echo "$name: exit $? after $((SECONDS - start)) s" >> "$out/summary.txt"
 }
 : > "$out/summary.txt"
-step gpu_tests "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider "$root/tests/test_gpu.py" "$root/tests/test_scale_update.py" "$root/tests/test_handoff.py"
+tests="${TEST_FILES:-test_gpu.py test_scale_update.py test_handoff.py}"
+step gpu_tests "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider $(for t in $tests; do echo "$root/tests/$t"; done)
 step overhead "${OVERHEAD_S:-60}" python bench_overhead.py --out "$out/overhead"
 step kernels "${KERNELS_S:-240}" python bench_kernels.py --out "$out/kernels"
 step mlp "${MLP_S:-200}" python bench_mlp.py --out "$out/mlp"

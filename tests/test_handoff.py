@@ -16,6 +16,16 @@ from lightning_fuse import CurrentScaling, DelayedScaling, FP8Linear, FP8Scaling
 from lightning_fuse import FusedLinearBiasActivation, fp8_autocast, fp8_state_of, fuse_
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    # The real kernels and GEMMs on a GPU; on CPU the Triton interpreter runs the same code path.
+    with torch.device(DEVICE):
+        yield
+
+
 def _mlp(seed=0, d=32):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))

@@ -26,7 +26,7 @@ step overhead "${OVERHEAD_S:-60}" python bench_overhead.py --out "$out/overhead"
 step kernels "${KERNELS_S:-240}" python bench_kernels.py --out "$out/kernels"
 step mlp "${MLP_S:-200}" python bench_mlp.py --out "$out/mlp"
 step e2e "${E2E_S:-300}" python bench_e2e.py --steps 30 --parity-steps 200 --out "$out/e2e"
-step e2e_all "${E2E_ALL_S:-0}" python bench_e2e.py --dims 2048,4096 --convert all --steps 30 --out "$out/e2e_all"
+step e2e_all "${E2E_ALL_S:-0}" python bench_e2e.py --dims "${E2E_ALL_DIMS:-2048,4096}" --convert all --steps 30 --out "$out/e2e_all"
 step sweep "${SWEEP_S:-0}" python bench_kernels.py --sweep --sweep-only --sweep-sizes "${SWEEP_SIZES:-16384x6400}" --out "$out/sweep"
 cat "$out/summary.txt"
 tail -n 3 "$out/gpu_tests.log" 2>/dev/null

@@ -23,7 +23,7 @@ step() {  # name, limit, command...
 tests="${TEST_FILES:-test_gpu.py test_scale_update.py test_handoff.py}"
 step gpu_tests "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider $(for t in $tests; do echo "$root/tests/$t"; done)
 step overhead "${OVERHEAD_S:-60}" python bench_overhead.py --out "$out/overhead"
-step kernels "${KERNELS_S:-240}" python bench_kernels.py --out "$out/kernels"
+step kernels "${KERNELS_S:-300}" python bench_kernels.py --out "$out/kernels"
 step mlp "${MLP_S:-200}" python bench_mlp.py --out "$out/mlp"
 step e2e "${E2E_S:-300}" python bench_e2e.py --steps 30 --parity-steps 200 --out "$out/e2e"
 step e2e_all "${E2E_ALL_S:-0}" python bench_e2e.py --dims "${E2E_ALL_DIMS:-2048,4096}" --convert all --steps 30 --out "$out/e2e_all"

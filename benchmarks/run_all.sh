@@ -4,9 +4,10 @@
 #
 #   bash benchmarks/run_all.sh results
 #
-# TEST_FILES names the test files (under tests/) run on the GPU. Limits in seconds come from the environment: TESTS_S, OVERHEAD_S, KERNELS_S, MLP_S, E2E_S, and
-# E2E_ALL_S (fuse.convert=all at d=2048/4096) and SWEEP_S (launch-configuration and encoder sweep),
-# which are off by default (0 skips a step). A step cut off by its limit keeps what it wrote so far.
+# From the environment: TEST_FILES (test files under tests/ run on the GPU); limits in seconds
+# TESTS_S, OVERHEAD_S, KERNELS_S, MLP_S, E2E_S, and, off by default (0 skips a step), E2E_ALL_S
+# (fuse.convert=all at E2E_ALL_DIMS, default 2048,4096) and SWEEP_S (launch-configuration sweep at
+# SWEEP_SIZES, default 16384x6400). A step cut off by its limit keeps what it wrote so far.
 set -u
 out="$(realpath -m "${1:-results}")"
 mkdir -p "$out"

@@ -4,9 +4,12 @@ without the callback vs with it (FP8 + fused backward), same model and data.
 For each d in {768, 1600, 2048, 4096} (configs/experiment/gpt_d*.yaml, sequence 1024, 16384
 tokens per step) it runs ``--steps`` optimizer steps each way and reports tokens/s after the
 warm-up steps. With ``--parity-steps N`` it also runs d=1600 for N steps both ways with validation
-and writes both validation losses and the overlaid training-loss curves (PNG).
+and writes both validation losses and the overlaid training-loss curves (PNG). With
+``--profile-steps N`` it profiles N steps of each run after warm-up and writes where the GPU time
+went (``profile.csv``: device ms per step by kernel category, and the GPU's idle time).
 
     python benchmarks/bench_e2e.py --out results/e2e --steps 30 --parity-steps 200
+    python benchmarks/bench_e2e.py --dims 2048 --steps 12 --profile-steps 3 --out results/e2e_profile
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from common import environment, print_table, write_results  # noqa: E402
 from gpt_finetune import train  # noqa: E402
+from step_profile import StepProfile  # noqa: E402
 
 EXPERIMENTS = {768: "gpt_d768", 1600: "gpt2_xl_fp8", 2048: "gpt_d2048", 4096: "gpt_d4096"}
 
 
-def run(d: int, fused: bool, steps: int, out_dir: Path, validate: bool, extra: list[str]):
+def run(d: int, fused: bool, steps: int, out_dir: Path, validate: bool, extra: list[str], callbacks=()):
     overrides = [f"experiment={EXPERIMENTS[d]}", f"trainer.max_steps={steps}", f"output_dir={out_dir}",
                  "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
                  "trainer.enable_checkpointing=false", *extra]
@@ -40,7 +44,7 @@ def run(d: int, fused: bool, steps: int, out_dir: Path, validate: bool, extra: l
         overrides += ["trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    return train(cfg)
+    return train(cfg, extra_callbacks=callbacks)
 
 
 def train_losses(out_dir: Path) -> list[tuple[int, float]]:
@@ -61,23 +65,38 @@ def main():
     parser.add_argument("--dims", default="768,1600,2048,4096")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--parity-steps", type=int, default=0)
+    parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of each run (0: off)")
     parser.add_argument("--convert", default="mlp", choices=["chains", "mlp", "all"],
                         help="which linears the callback makes FP8 (fuse.convert)")
     args = parser.parse_args()
     print(environment())
-    rows = []
+    rows, profiles = [], []
     work = Path(tempfile.mkdtemp())
     convert = [f"fuse.convert={args.convert}"]
     for d in [int(v) for v in args.dims.split(",")]:
         row = {"d": d, "convert": args.convert}
         for fused in (False, True):
-            result = run(d, fused, args.steps, work / f"d{d}_{fused}", False, convert)
+            profile = [StepProfile(start=min(5, args.steps - args.profile_steps), steps=args.profile_steps)] \
+                if args.profile_steps else []
+            result = run(d, fused, args.steps, work / f"d{d}_{fused}", False, convert, profile)
             row["fused_tok_s" if fused else "bf16_tok_s"] = result.tokens_per_sec
+            if profile and profile[0].per_step_ms:
+                variant = "fused" if fused else "bf16"
+                profiles += [{"d": d, "run": variant, "category": k, "ms_per_step": v}
+                             for k, v in profile[0].per_step_ms.items()]
+                write_results(args.out, "profile", profiles)
+                write_results(args.out, f"kernels_d{d}_{variant}",
+                              [{"kernel": k, "ms_per_step": v} for k, v in profile[0].kernels[:60]])
         row["speedup"] = row["fused_tok_s"] / row["bf16_tok_s"]
         rows.append(row)
         print_table(rows[-1:], list(row))
         write_results(args.out, "e2e", rows)
     print_table(rows, list(rows[0]))
+    if profiles:
+        table = {}
+        for p in profiles:
+            table.setdefault(p["category"], {"category": p["category"]})[f"d{p['d']} {p['run']}"] = p["ms_per_step"]
+        print_table(list(table.values()), ["category"] + sorted({f"d{p['d']} {p['run']}" for p in profiles}))
     if args.parity_steps:
         curves, parity = {}, []
         for fused in (False, True):

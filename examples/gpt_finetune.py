@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import hydra
 import lightning as L
@@ -345,10 +345,11 @@ class TrainResult:
     checkpoint_path: str  # checkpoints/last.ckpt, usable as init_from; "" if none was written
 
 
-def train(cfg: DictConfig) -> TrainResult:
+def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Builds data, model, callbacks and Trainer from `cfg` (configs/train.yaml), then fits.
 
     Every input is checked (data.path, data.tokenizer, init_from) before training starts.
+    `extra_callbacks` join the Trainer's (the benchmarks add a profiler this way).
     """
     L.seed_everything(cfg.seed, workers=True)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
@@ -372,6 +373,7 @@ def train(cfg: DictConfig) -> TrainResult:
         callbacks.append(ModelCheckpoint(dirpath=last_checkpoint.parent, save_top_k=0, save_last=True))
     if cfg.get("fuse") is not None:
         callbacks.append(hydra.utils.instantiate(cfg.fuse))
+    callbacks.extend(extra_callbacks)
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=CSVLogger(output_dir, name="csv")
     )

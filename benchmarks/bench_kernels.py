@@ -84,7 +84,7 @@ def _resident_per_sm(compiled, warps: int) -> int:
     return max(1, min(32, props.max_threads_per_multi_processor // (32 * warps), by_regs, by_shared))
 
 
-# (encoder, block_m, block_n, warps, loop stages, byte transposes): the shipped default first.
+# (encoder, block_m, block_n, warps, loop stages, byte transposes); the first is the previous default.
 SWEEP_VARIANTS = [
     ("ptx", 64, 64, 8, 0, False), ("ptx", 64, 64, 8, 2, False), ("ptx", 64, 64, 8, 3, False),
     ("ptx", 64, 64, 4, 0, False), ("ptx", 128, 64, 8, 0, False), ("ptx", 64, 128, 8, 0, False),
@@ -92,7 +92,11 @@ SWEEP_VARIANTS = [
 ]
 
 
-def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2, 4, 8), on_row=None):
+SHIPPED_VARIANT = ("ptx", 64, 64, 8, 3, False)  # what pick_config chooses for the bias-gradient passes
+
+
+def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2, 4, 8), on_row=None,
+          variants=SWEEP_VARIANTS):
     """Times launch configurations of the fused kernel (``SWEEP_VARIANTS`` x programs per
     multiprocessor, ``occ`` = exactly one wave at the compiled kernel's occupancy), checking every
     output of each, and returns the rows; ``on_row`` sees each row as it is made."""
@@ -106,7 +110,7 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2
     out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
     dbias = torch.empty(n, dtype=torch.float32, device="cuda")
     rows, seen = [], set()
-    for (encoder, bm, bn, warps, stages, tbytes), per_sm in itertools.product(SWEEP_VARIANTS, per_sm_values):
+    for (encoder, bm, bn, warps, stages, tbytes), per_sm in itertools.product(variants, per_sm_values):
         os.environ["LIGHTNING_FUSE_FP8_ENCODER"] = encoder
         strips = -(-n // bn)
         row = dict(M=m, N=n, encoder=encoder, block_m=bm, block_n=bn, warps=warps, stages=stages,
@@ -221,6 +225,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the fused kernel")
     parser.add_argument("--sweep-sizes", default="16384x6400", help="sizes the sweep runs at")
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
+    parser.add_argument("--sweep-grid-only", action="store_true",
+                        help="sweep only the number of programs, with the shipped tiles and pipelining")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -239,7 +245,11 @@ def main():
             print_table(rows[-1:], columns)
 
         for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
-            sweep_rows += sweep(m, n, on_row=on_row)
+            if args.sweep_grid_only:  # the shipped tiles, only the grid size varies: whole waves or not
+                sweep_rows += sweep(m, n, per_sm_values=("occ", "occ2", 3, 4, 8), on_row=on_row,
+                                    variants=[SHIPPED_VARIANT])
+            else:
+                sweep_rows += sweep(m, n, on_row=on_row)
         print("fastest:")
         print_table(sorted(sweep_rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:8], columns)
         if args.sweep_only:

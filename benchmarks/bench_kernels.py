@@ -84,13 +84,13 @@ def _resident_per_sm(compiled, warps: int) -> int:
     return max(1, min(32, props.max_threads_per_multi_processor // (32 * warps), by_regs, by_shared))
 
 
-# (encoder, block_m, block_n, warps, loop stages, byte transposes, streaming cache hints); the first
-# is the previous default, the second the shipped one (SHIPPED_VARIANT).
+# (encoder, block_m, block_n, warps, loop stages, byte transposes); the first is the previous
+# default, the second the shipped one (SHIPPED_VARIANT).
 SWEEP_VARIANTS = [
-    ("ptx", 64, 64, 8, 0, False, False), ("ptx", 64, 64, 8, 3, False, False), ("ptx", 64, 64, 8, 3, False, True),
-    ("ptx", 64, 64, 8, 2, False, False), ("ptx", 64, 64, 8, 4, False, False), ("ptx", 64, 64, 4, 3, False, False),
-    ("ptx", 128, 64, 8, 3, False, False), ("ptx", 64, 128, 8, 3, False, False), ("ptx", 32, 128, 4, 3, False, False),
-    ("ptx", 64, 64, 4, 0, False, False), ("ptx4", 64, 64, 8, 3, False, False), ("ptx", 64, 64, 8, 3, True, False),
+    ("ptx", 64, 64, 8, 0, False), ("ptx", 64, 64, 8, 3, False), ("ptx", 64, 64, 8, 2, False),
+    ("ptx", 64, 64, 8, 4, False), ("ptx", 64, 64, 4, 3, False), ("ptx", 128, 64, 8, 3, False),
+    ("ptx", 64, 128, 8, 3, False), ("ptx", 32, 128, 4, 3, False), ("ptx", 64, 64, 4, 0, False),
+    ("ptx4", 64, 64, 8, 3, False), ("ptx", 64, 64, 8, 3, True),
 ]
 SHIPPED_VARIANT = SWEEP_VARIANTS[1]  # what pick_config chooses for the bias-gradient passes
 
@@ -110,21 +110,21 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2
     out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
     dbias = torch.empty(n, dtype=torch.float32, device="cuda")
     rows, seen = [], set()
-    for (encoder, bm, bn, warps, stages, tbytes, stream), per_sm in itertools.product(variants, per_sm_values):
+    for (encoder, bm, bn, warps, stages, tbytes), per_sm in itertools.product(variants, per_sm_values):
         os.environ["LIGHTNING_FUSE_FP8_ENCODER"] = encoder
         strips = -(-n // bn)
         row = dict(M=m, N=n, encoder=encoder, block_m=bm, block_n=bn, warps=warps, stages=stages,
-                   transpose_bytes=tbytes, stream=stream, per_sm=per_sm)
+                   transpose_bytes=tbytes, per_sm=per_sm)
         try:
             compiled = _launch(grad, pre, 2, scale, 2, amax, True, True, True,
-                               LaunchConfig(bm, bn, warps, 1, tbytes, stages, stream), out, out_t, dbias, False)
+                               LaunchConfig(bm, bn, warps, 1, tbytes, stages), out, out_t, dbias, False)
             resident = _resident_per_sm(compiled, warps)
             if per_sm in ("occ", "occ2"):  # whole waves: never a partly filled last one
                 groups = max(1, min(-(-m // bm), (sms * resident * (2 if per_sm == "occ2" else 1)) // strips))
             else:
                 groups = max(1, min(-(-m // bm), -(-(sms * per_sm) // strips)))
-            cfg = LaunchConfig(bm, bn, warps, groups, tbytes, stages, stream)
-            key = (encoder, bm, bn, warps, stages, tbytes, stream, cfg.row_groups(m))
+            cfg = LaunchConfig(bm, bn, warps, groups, tbytes, stages)
+            key = (encoder, bm, bn, warps, stages, tbytes, cfg.row_groups(m))
             if key in seen:
                 continue
             seen.add(key)
@@ -235,7 +235,7 @@ def main():
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
     extra = {"copy_GBps": copy_gbps}
     if args.sweep:
-        columns = ["M", "N", "encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes", "stream",
+        columns = ["M", "N", "encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes",
                    "per_sm", "regs", "resident", "groups", "ms", "frac_copy", "ok"]
         sweep_rows = []
 

@@ -131,7 +131,6 @@ class LaunchConfig:
     groups: int  # programs along M; each walks ceil(M / groups) rows, tile by tile
     transpose_bytes: bool = False  # transpose 8-bit codes (True) or their int32 form (False) in shared memory
     loop_stages: int = 0  # software-pipeline depth of the row loop (0: the compiler's choice)
-    stream: bool = False  # streaming cache hints (evict-first loads, .cs stores); a sweep option, off by default
 
     def row_groups(self, m: int) -> tuple[int, int]:
         """``(rows_per_group, groups)`` for ``m`` rows: whole tiles per group, no empty group."""

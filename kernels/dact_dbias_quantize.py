@@ -35,24 +35,6 @@ __all__ = [
 ]
 
 @triton.jit
-def _load(ptrs, mask, STREAM: tl.constexpr):
-    """A masked load; ``STREAM`` marks the lines as first to evict (each input byte is read once)."""
-    if STREAM:
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _store(ptrs, value, mask, STREAM: tl.constexpr):
-    """A masked store; ``STREAM`` uses the streaming cache operator (the output is not read again here)."""
-    if STREAM:
-        tl.store(ptrs, value, mask=mask, cache_modifier=".cs")
-    else:
-        tl.store(ptrs, value, mask=mask)
-
-
-@triton.jit
 def _dact_dbias_quantize_kernel(
     grad_ptr, pre_act_ptr, out_ptr, out_t_ptr, partial_ptr, scale_ptr, amax_ptr,
     stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n, stride_out_m, stride_out_t_n,
@@ -66,7 +48,6 @@ def _dact_dbias_quantize_kernel(
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     TRANSPOSE_BYTES: tl.constexpr,  # transpose the uint8 codes (less shared memory) or their int32 form
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
-    STREAM: tl.constexpr,  # streaming cache hints on the per-element loads and stores
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -83,11 +64,11 @@ def _dact_dbias_quantize_kernel(
     for m0 in tl.range(row_start, row_start + rows_per_group, BLOCK_M, num_stages=LOOP_STAGES):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask = (offs_m < M)[:, None] & mask_n[None, :]
-        grad = _load(grad_ptr + offs_m[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
-                     mask, STREAM).to(tl.float32)
+        grad = tl.load(grad_ptr + offs_m[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
+                       mask=mask, other=0.0).to(tl.float32)
         if ACTIVATION != 0:
-            pre_act = _load(pre_act_ptr + offs_m[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
-                            mask, STREAM).to(tl.float32)
+            pre_act = tl.load(pre_act_ptr + offs_m[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
+                              mask=mask, other=0.0).to(tl.float32)
             dx = grad * act_derivative(pre_act, ACTIVATION)
         else:
             dx = grad
@@ -102,17 +83,17 @@ def _dact_dbias_quantize_kernel(
                 codes = fp8_codes(dx * scale, FP8_FORMAT, ENCODER)
                 codes8 = codes.to(tl.uint8)
                 out_ptrs = out_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_out_m + offs_n[None, :]
-                _store(out_ptrs, codes8, mask, STREAM)
+                tl.store(out_ptrs, codes8, mask=mask)
                 if TRANSPOSE:
                     out_t_ptrs = (out_t_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_out_t_n
                                   + offs_m[None, :])
                     if TRANSPOSE_BYTES:
-                        _store(out_t_ptrs, tl.trans(codes8), tl.trans(mask), STREAM)
+                        tl.store(out_t_ptrs, tl.trans(codes8), mask=tl.trans(mask))
                     else:
-                        _store(out_t_ptrs, tl.trans(codes).to(tl.uint8), tl.trans(mask), STREAM)
+                        tl.store(out_t_ptrs, tl.trans(codes).to(tl.uint8), mask=tl.trans(mask))
             else:
                 out_ptrs = out_ptr + offs_m[:, None] * stride_out_m + offs_n[None, :]
-                _store(out_ptrs, dx.to(out_ptr.dtype.element_ty), mask, STREAM)
+                tl.store(out_ptrs, dx.to(out_ptr.dtype.element_ty), mask=mask)
     if COMPUTE_DBIAS:
         tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
     if COMPUTE_AMAX:
@@ -154,7 +135,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         m, n, rows_per_group,
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
         COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
-        TRANSPOSE_BYTES=config.transpose_bytes, LOOP_STAGES=config.loop_stages or None, STREAM=config.stream,
+        TRANSPOSE_BYTES=config.transpose_bytes, LOOP_STAGES=config.loop_stages or None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
     if compute_dbias:

@@ -348,11 +348,17 @@ class TrainResult:
 def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Builds data, model, callbacks and Trainer from `cfg` (configs/train.yaml), then fits.
 
-    Every input is checked (data.path, data.tokenizer, init_from) before training starts.
+    Every input is checked (data.path, data.tokenizer, init_from, resume_from) before training starts.
     `extra_callbacks` join the Trainer's (the benchmarks add a profiler this way).
     """
     L.seed_everything(cfg.seed, workers=True)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
+    resume_from = cfg.get("resume_from")
+    if resume_from is not None and not Path(resume_from).expanduser().is_file():
+        raise FileNotFoundError(
+            f"resume_from={resume_from!r} is not a file (resolved to {Path(resume_from).expanduser().resolve()}). "
+            "Expected a checkpoint this example wrote (checkpoints/last.ckpt in a run's output_dir), or null"
+        )
 
     datamodule = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True), seed=cfg.seed)
     network, architecture = build_network(cfg.model, cfg.init_from, datamodule.vocab_size)
@@ -378,7 +384,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainRes
         cfg.trainer, callbacks=callbacks, logger=CSVLogger(output_dir, name="csv")
     )
 
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(Path(resume_from).expanduser()) if resume_from else None)
     if module.val_history and module.val_history[-1][0] != trainer.global_step:
         # the last scheduled validation came before the last step: validate and save the final model too
         trainer.validate(module, datamodule=datamodule, verbose=False)

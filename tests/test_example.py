@@ -236,6 +236,41 @@ def test_init_from_a_checkpoint_continues_from_its_weights(tmp_path: Path, fuse:
     assert second.val_loss < first.val_loss
 
 
+def test_resume_from_a_checkpoint_continues_the_run_and_its_fp8_state(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the pure-torch kernel references: this tests the wiring
+    emulate = ["fuse.emulate=true"]  # FP8 on CPU, so the scales move and their restoration shows
+    first = train(quick_config(tmp_path / "first", [*SHORT, *emulate]))
+    saved = torch.load(first.checkpoint_path, weights_only=False)
+    (fuse_state,) = [v for k, v in saved["callbacks"].items() if "FusedBackwardCallback" in k]
+    restored = {}
+
+    from lightning.pytorch import Callback
+
+    class Capture(Callback):  # the callback's FP8 state as training resumes, before any new step
+        def on_train_start(self, trainer, pl_module):
+            (fuse,) = [c for c in trainer.callbacks if type(c).__name__ == "FusedBackwardCallback"]
+            restored.update(fuse.state_dict())
+
+    overrides = [f"resume_from={first.checkpoint_path}", "trainer.max_steps=14", "trainer.val_check_interval=14",
+                 *emulate]
+    second = train(quick_config(tmp_path / "second", overrides), extra_callbacks=[Capture()])
+    assert second.steps == 14  # continued from step 10, not restarted
+    assert [step for step, _ in second.val_history] == [14]  # Lightning skips the sanity check on resume
+    saved = fuse_state["fp8_state"]
+    assert (saved["forward.scale"] != 1.0).any() and (saved["backward.scale"] != 1.0).any()  # the scales moved
+    tensors = [name for name, value in saved.items() if isinstance(value, torch.Tensor)]
+    assert {"forward.scale", "forward.history", "backward.scale", "backward.history"} <= set(tensors)
+    for name in tensors:
+        assert torch.equal(restored["fp8_state"][name], saved[name]), name
+    assert restored["decisions"] == fuse_state["decisions"]
+
+
+def test_missing_resume_from_names_it(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"resume_from='.*gone\.ckpt' is not a file.*Expected a checkpoint"):
+        train(quick_config(tmp_path, [f"resume_from={tmp_path / 'gone.ckpt'}", "fuse=null"]))
+
+
 def test_init_from_a_local_hf_directory(tmp_path: Path, fuse: list[str]) -> None:
     hf_dir = save_tiny_hf_gpt2(tmp_path / "hf")
     results = {

@@ -79,7 +79,6 @@ def launch_rows() -> list[dict]:
     import triton
     import triton.language as tl
 
-
     @triton.jit
     def touch(p0, p1, p2, p3, p4, p5, p6, s0, s1, s2, s3, s4, s5, m, n, r,
               A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):

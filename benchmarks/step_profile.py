@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -52,6 +53,9 @@ class StepProfile(Callback):
         self.per_step_ms: dict[str, float] = {}
         self.kernels: list[tuple[str, float]] = []  # (name, ms per step), largest first
         self._profiler = None
+        self._sync: Callable[[], None] = lambda: None
+        self._self_time = "self_device_time_total"
+        self._started = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.start and self._profiler is None and not self.per_step_ms:

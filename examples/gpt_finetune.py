@@ -354,9 +354,10 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainRes
     L.seed_everything(cfg.seed, workers=True)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     resume_from = cfg.get("resume_from")
-    if resume_from is not None and not Path(resume_from).expanduser().is_file():
+    resume_path = Path(resume_from).expanduser() if resume_from is not None else None
+    if resume_path is not None and not resume_path.is_file():
         raise FileNotFoundError(
-            f"resume_from={resume_from!r} is not a file (resolved to {Path(resume_from).expanduser().resolve()}). "
+            f"resume_from={resume_from!r} is not a file (resolved to {resume_path.resolve()}). "
             "Expected a checkpoint this example wrote (checkpoints/last.ckpt in a run's output_dir), or null"
         )
 
@@ -384,7 +385,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainRes
         cfg.trainer, callbacks=callbacks, logger=CSVLogger(output_dir, name="csv")
     )
 
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(Path(resume_from).expanduser()) if resume_from else None)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_path) if resume_path else None)
     if module.val_history and module.val_history[-1][0] != trainer.global_step:
         # the last scheduled validation came before the last step: validate and save the final model too
         trainer.validate(module, datamodule=datamodule, verbose=False)

@@ -139,16 +139,20 @@ class LaunchConfig:
         return rows, -(-m // rows)
 
 
-def pick_config(m: int, n: int, device: torch.device, *, block_m: int = 64, block_n: int = 64,
-                num_warps: int = 8, programs_per_sm: int = 4, loop_stages: int = 3) -> LaunchConfig:
+def pick_config(m: int, n: int, device: torch.device, *, pipelined: bool = True, block_m: int = 64,
+                block_n: int = 64, num_warps: int = 8) -> LaunchConfig:
     """Tiles and row groups for an ``(m, n)`` elementwise pass with a per-column reduction.
 
     Each program walks a column strip over a group of rows so the bias-gradient partials stay in
-    registers; enough groups are made to give every multiprocessor several programs. The defaults
+    registers; enough groups are made to give every multiprocessor several programs. The choices
     are the fastest of a sweep on an H200 (benchmarks/bench_kernels.py --sweep, BENCHMARKS.md):
-    64 x 64 tiles, 8 warps, the row loop software-pipelined 3 deep (16% faster than the compiler's
-    default there; 2 deep was slower than none), 4 programs per multiprocessor.
+    64 x 64 tiles, 8 warps and, for the passes that compute a bias gradient or an activation
+    gradient (``pipelined``), the row loop software-pipelined 3 deep (16% faster than the
+    compiler's default there; 2 deep was slower than none) with 4 programs per multiprocessor.
+    The plain cast was faster without pipelining and with 8; the forward activation pass (not swept)
+    keeps that configuration too, the one it was measured with.
     """
+    programs_per_sm, loop_stages = (4, 3) if pipelined else (8, 0)
     if torch.compiler.is_compiling():  # sizes may be symbolic there (not hashable): no cache
         return _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm, loop_stages)
     key = (m, n, device, block_m, block_n, num_warps, programs_per_sm, loop_stages)

@@ -86,8 +86,7 @@ def _bias_act_run(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int
     q = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=dev) if fp8_code else None
     q_t = torch.empty((n, m), dtype=q.dtype, device=dev) if transpose else None
     if m > 0:
-        # The configuration this pass was measured with (its loop is not pipelined: no loop_stages).
-        cfg = pick_config(m, n, dev, programs_per_sm=8, loop_stages=0)
+        cfg = pick_config(m, n, dev, pipelined=False)
         rows_per_group, groups = cfg.row_groups(m)
         stride_h = h.stride()
         launcher(_bias_act_kernel, traced)[(-(-n // cfg.block_n), groups)](

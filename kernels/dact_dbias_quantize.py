@@ -190,11 +190,12 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
-    block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool, loop_stages: int, traced: bool,
-    dbias_dtype: torch.dtype,
+    block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool, loop_stages: int,
+    traced: bool, dbias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias,
-                             LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes, loop_stages), traced, dbias_dtype)
+    config = LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes, loop_stages)
+    out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, config,
+                             traced, dbias_dtype)
     # A registered op returns tensors: empty ones stand for the outputs not asked for.
     if out_t is None:
         out_t = torch.empty((0, 0), dtype=out.dtype, device=out.device)
@@ -249,9 +250,7 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
         out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                           fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
         return out.view(grad.shape), out_t, (dbias.to(dbias_dtype) if compute_dbias else None)
-    # The plain cast (no bias gradient) was fastest without loop pipelining and with more programs.
-    cfg = (pick_config(g2.shape[0], n, g2.device) if compute_dbias or act
-           else pick_config(g2.shape[0], n, g2.device, programs_per_sm=8, loop_stages=0))
+    cfg = pick_config(g2.shape[0], n, g2.device, pipelined=bool(compute_dbias or act))
     if scale is not None and scale.dim() != 0:
         scale = scale.reshape(())
     if torch.compiler.is_compiling():

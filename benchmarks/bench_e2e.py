@@ -66,8 +66,8 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--parity-steps", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of each run (0: off)")
-    parser.add_argument("--convert", default="mlp", choices=["chains", "mlp", "all"],
-                        help="which linears the callback makes FP8 (fuse.convert)")
+    parser.add_argument("--convert", default="all", choices=["chains", "mlp", "all"],
+                        help="which linears the callback makes FP8 (fuse.convert; its measurement reverts the slower)")
     args = parser.parse_args()
     print(environment())
     rows, profiles = [], []

@@ -30,8 +30,11 @@ from common import (
     unfused_quantize,
     write_results,
 )
-from lightning_fuse.kernels import activation_derivative_reference, dact_dbias_quantize, dbias_quantize, quantize
-from lightning_fuse.kernels._launch import LaunchConfig
+from lightning_fuse.kernels import (activation_derivative_reference, bias_act_reference, dact_dbias_quantize,
+                                    dbias_quantize, quantize)
+from lightning_fuse.kernels._launch import LaunchConfig, fp8_encoder
+from lightning_fuse.kernels.activations import activation_id
+from lightning_fuse.kernels.bias_act import _bias_act_kernel
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
 
 SIZES = [(8192, 3072), (16384, 6400), (32768, 8192), (16384, 16384)]
@@ -148,6 +151,54 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2
     return rows
 
 
+BIAS_ACT_VARIANTS = list(itertools.product((0, 3, 4), (4, 8), ((64, 64), (32, 64), (64, 128), (32, 128))))
+
+
+def sweep_bias_act(m=16384, n=8192, dtype=torch.bfloat16, on_row=None):
+    """Times launch configurations of the forward activation pass as the modules run it after an FP8
+    GEMM with the bias in its epilogue (gelu_tanh; output, e4m3 row-wise and transposed copies, amax;
+    6 bytes per element): ``BIAS_ACT_VARIANTS`` (loop stages, warps, tiles) x programs per
+    multiprocessor (``f4``: 4, rounded down to whole waves; ``c8``: 8, rounded up). Every output of
+    each is checked."""
+    h = torch.randn(m, n, device="cuda", dtype=dtype)
+    scale = torch.tensor(64.0, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    y = torch.empty_like(h)
+    q = torch.empty(m, n, dtype=torch.uint8, device="cuda")
+    q_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
+    ref_y, ref_q, _ = bias_act_reference(h, None, "gelu_tanh", scale=scale, fp8_dtype=FWD)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for (stages, warps, (bm, bn)), per_sm in itertools.product(BIAS_ACT_VARIANTS, ("f4", "c8")):
+        strips = -(-n // bn)
+        slots = sms * int(per_sm[1:])
+        groups = slots // strips if per_sm[0] == "f" else -(-slots // strips)
+        rows_per_group, groups = LaunchConfig(bm, bn, warps, max(1, min(groups, -(-m // bm)))).row_groups(m)
+        row = dict(M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages, per_sm=per_sm, groups=groups)
+
+        def run():
+            _bias_act_kernel[(strips, groups)](
+                h, h, y, q, q_t, scale, amax, h, h.stride(0), h.stride(1), y.stride(0), q.stride(0),
+                q_t.stride(0), 0, m, n, rows_per_group, ACTIVATION=activation_id("gelu_tanh"), HAS_BIAS=False,
+                STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True, COMPUTE_AMAX=True,
+                ENCODER=fp8_encoder(h), LOOP_STAGES=stages or None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        try:
+            q.fill_(0)
+            q_t.fill_(0)
+            y.fill_(0)
+            run()
+            exact = (q == ref_q.view(torch.uint8)).float().mean().item()
+            ok = exact >= 0.99 and torch.equal(q_t, q.t()) and (y == ref_y).float().mean().item() >= 0.999
+            ms = graph_ms(run, rep_ms=100)
+            row.update(ms=ms, GBps=m * n * (2 * h.element_size() + 2) / ms / 1e6, exact=exact, ok=str(ok))
+        except Exception as exc:  # a configuration the compiler rejects
+            row.update(ms=float("nan"), ok=repr(exc)[:80])
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)
+    return rows
+
+
 def bench(sizes, dtypes, copy_gbps, out_dir):
     rows = []
     for (m, n), (dname, dtype) in itertools.product(sizes, dtypes.items()):
@@ -227,6 +278,8 @@ def main():
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
     parser.add_argument("--sweep-grid-only", action="store_true",
                         help="sweep only the number of programs, with the shipped tiles and pipelining")
+    parser.add_argument("--sweep-bias-act", action="store_true",
+                        help="time launch configurations of the forward activation pass at --sweep-sizes, then stop")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -234,6 +287,20 @@ def main():
     copy_gbps = copy_bandwidth_gbps()
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
     extra = {"copy_GBps": copy_gbps}
+    if args.sweep_bias_act:
+        columns = ["M", "N", "block_m", "block_n", "warps", "stages", "per_sm", "groups", "ms", "frac_copy", "ok"]
+        done = []
+
+        def on_bias_act_row(rows):
+            rows[-1]["frac_copy"] = rows[-1].get("GBps", float("nan")) / copy_gbps
+            write_results(args.out, "sweep_bias_act", done + rows, extra)
+            print_table(rows[-1:], columns)
+
+        for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
+            done += sweep_bias_act(m, n, on_row=on_bias_act_row)
+        print("fastest:")
+        print_table(sorted(done, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:8], columns)
+        return
     if args.sweep:
         columns = ["M", "N", "encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes",
                    "per_sm", "regs", "resident", "groups", "ms", "frac_copy", "ok"]

@@ -139,27 +139,30 @@ class LaunchConfig:
         return rows, -(-m // rows)
 
 
-def pick_config(m: int, n: int, device: torch.device, *, pipelined: bool = True, block_m: int = 64,
-                block_n: int = 64, num_warps: int = 8) -> LaunchConfig:
+def pick_config(m: int, n: int, device: torch.device, *, pipelined: bool = True, whole_waves: bool = False,
+                block_m: int = 64, block_n: int = 64, num_warps: int = 8) -> LaunchConfig:
     """Tiles and row groups for an ``(m, n)`` elementwise pass with a per-column reduction.
 
     Each program walks a column strip over a group of rows so the bias-gradient partials stay in
     registers; enough groups are made to give every multiprocessor several programs. The choices
-    are the fastest of a sweep on an H200 (benchmarks/bench_kernels.py --sweep, BENCHMARKS.md):
+    are the fastest of sweeps on an H200 (benchmarks/bench_kernels.py --sweep, BENCHMARKS.md):
     64 x 64 tiles, 8 warps and, for the passes that compute a bias gradient or an activation
     gradient (``pipelined``), the row loop software-pipelined 3 deep (16% faster than the
-    compiler's default there; 2 deep was slower than none) with 4 programs per multiprocessor.
-    The plain cast was faster without pipelining and with 8; the forward activation pass (not swept)
-    keeps that configuration too, the one it was measured with.
+    compiler's default there; 2 deep was slower than none) with 4 programs per multiprocessor,
+    rounded up, or with ``whole_waves`` (the activation-gradient pass) rounded down (0.500 against
+    0.537 ms at 32768 x 8192; ``dbias_quantize`` was 11% slower that way). The plain cast was
+    faster without pipelining and with 8 programs per multiprocessor, rounded up; the forward
+    activation pass (``bias_act``) too, with 32-row tiles (``block_m=32``).
     """
     programs_per_sm, loop_stages = (4, 3) if pipelined else (8, 0)
+    whole_waves = whole_waves and pipelined
     if torch.compiler.is_compiling():  # sizes may be symbolic there (not hashable): no cache
-        return _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm, loop_stages)
-    key = (m, n, device, block_m, block_n, num_warps, programs_per_sm, loop_stages)
+        return _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm, loop_stages, whole_waves)
+    key = (m, n, device, block_m, block_n, num_warps, programs_per_sm, loop_stages, whole_waves)
     config = _CONFIGS.get(key)
     if config is None:
         config = _CONFIGS[key] = _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm,
-                                              loop_stages)
+                                              loop_stages, whole_waves)
     return config
 
 
@@ -167,16 +170,17 @@ _CONFIGS: dict[tuple, LaunchConfig] = {}  # per shape: a launch costs tens of mi
 
 
 def _pick_config(m: int, n: int, device: torch.device, block_m: int, block_n: int, num_warps: int,
-                 programs_per_sm: int, loop_stages: int) -> LaunchConfig:
+                 programs_per_sm: int, loop_stages: int, whole_waves: bool) -> LaunchConfig:
     if device.type != "cuda":
         # Interpreter: small tiles, so that tests cross tile edges and row groups.
         block_m, block_n, num_warps = 16, 32, 1
-        sms, programs_per_sm, loop_stages = 2, 2, 0
+        sms, programs_per_sm, loop_stages, whole_waves = 2, 2, 0, False
     else:
         sms = _device_info(device)[1]
     strips = -(-n // block_n)
     row_tiles = max(1, -(-m // block_m))
-    groups = max(1, min(row_tiles, -(-(sms * programs_per_sm) // strips)))
+    slots = sms * programs_per_sm
+    groups = max(1, min(row_tiles, slots // strips if whole_waves else -(-slots // strips)))
     # Even out the tiles per group so no program is left with an empty range.
     tiles_per_group = -(-row_tiles // groups)
     groups = -(-row_tiles // tiles_per_group)

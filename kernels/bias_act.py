@@ -31,6 +31,7 @@ def _bias_act_kernel(
     TRANSPOSE: tl.constexpr,
     COMPUTE_AMAX: tl.constexpr,
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
+    LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -44,7 +45,7 @@ def _bias_act_kernel(
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if FP8_FORMAT != 0:
         scale = tl.load(scale_ptr)
-    for m0 in range(row_start, row_start + rows_per_group, BLOCK_M):
+    for m0 in tl.range(row_start, row_start + rows_per_group, BLOCK_M, num_stages=LOOP_STAGES):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask = (offs_m < M)[:, None] & mask_n[None, :]
         h = tl.load(h_ptr + offs_m[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
@@ -86,7 +87,7 @@ def _bias_act_run(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int
     q = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=dev) if fp8_code else None
     q_t = torch.empty((n, m), dtype=q.dtype, device=dev) if transpose else None
     if m > 0:
-        cfg = pick_config(m, n, dev, pipelined=False)
+        cfg = pick_config(m, n, dev, pipelined=False, block_m=32)  # 32-row tiles: a sweep's fastest (BENCHMARKS.md)
         rows_per_group, groups = cfg.row_groups(m)
         stride_h = h.stride()
         launcher(_bias_act_kernel, traced)[(-(-n // cfg.block_n), groups)](
@@ -99,7 +100,7 @@ def _bias_act_run(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int
             ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=pre_act_out is not None,
             STORE_Y=True, FP8_FORMAT=fp8_code,
             TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(h),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            LOOP_STAGES=cfg.loop_stages or None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     return y, q, q_t
 

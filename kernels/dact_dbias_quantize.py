@@ -250,7 +250,7 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
         out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                           fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
         return out.view(grad.shape), out_t, (dbias.to(dbias_dtype) if compute_dbias else None)
-    cfg = pick_config(g2.shape[0], n, g2.device, pipelined=bool(compute_dbias or act))
+    cfg = pick_config(g2.shape[0], n, g2.device, pipelined=bool(compute_dbias or act), whole_waves=bool(act))
     if scale is not None and scale.dim() != 0:
         scale = scale.reshape(())
     if torch.compiler.is_compiling():

@@ -7,7 +7,8 @@ Paths, chosen per call:
 
 - FP8, inside an enabled ``fp8_autocast`` on a GPU with FP8 (compute capability >= 8.9), or on
   CPU with ``emulate=True``: the input and weight are cast to e4m3 (the weight once per optimizer
-  step), the forward GEMM runs through ``torch._scaled_mm``; the backward runs the fused kernel
+  step), the forward GEMM runs through ``torch._scaled_mm`` (with the bias in its epilogue for bf16
+  outputs); the backward runs the fused kernel
   (``dact_dbias_quantize``: activation and bias gradients and the FP8 gradient, row-wise and
   transposed, in one pass) and then the dgrad and wgrad GEMMs in FP8.
 - high precision otherwise (no recipe, CPU, a GPU without FP8, shapes ``_scaled_mm`` rejects, an
@@ -130,37 +131,55 @@ def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("lightning_fuse::scaled_mm", mutates_args=())
 def _scaled_mm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                  out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+                  bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 @_scaled_mm_op.register_fake
-def _(a, b, scale_a, scale_b, out_dtype, fast_accum):
+def _(a, b, scale_a, scale_b, bias, out_dtype, fast_accum):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-               out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    """``(a * scale_a) @ (b * scale_b)``: ``a`` row-major, ``b`` column-major, per-tensor scales.
+_EPILOGUE_BIAS_DTYPES = (torch.bfloat16,)  # measured on an H200; torch also takes fp16, not checked there
 
-    No bias epilogue: cuBLASLt answered CUBLAS_STATUS_NOT_SUPPORTED for FP8 with a bias on the H200
-    (torch 2.11, CUDA 13); the bias is added in the activation pass instead. Under ``torch.compile``
-    the GEMM is an opaque op (the same cuBLASLt call): Inductor's own lowering of ``_scaled_mm``
-    failed an internal assertion on these operands with torch 2.11.
+
+def epilogue_bias(bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The bias as the GEMM's epilogue takes it, or ``None`` where it is added after the GEMM.
+
+    cuBLASLt adds a bias to the FP8 GEMM's fp32 accumulator for free when the output and the bias are
+    bf16 (``torch._scaled_mm`` rejects an fp32 bias); a separate add of the bias cost 0.09-0.31 ms
+    per GEMM at 16384 tokens on an H200 (BENCHMARKS.md). The bias is rounded to the output dtype
+    first, as ``torch.autocast`` rounds it for ``F.linear``.
+    """
+    if bias is None or out_dtype not in _EPILOGUE_BIAS_DTYPES:
+        return None
+    return bias if bias.dtype == out_dtype else bias.to(out_dtype)
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               out_dtype: torch.dtype, fast_accum: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b) (+ bias)``: ``a`` row-major, ``b`` column-major, per-tensor scales;
+    ``bias`` (from ``epilogue_bias``) is added in the GEMM's epilogue.
+
+    Under ``torch.compile`` the GEMM is an opaque op (the same cuBLASLt call): Inductor's own
+    lowering of ``_scaled_mm`` failed an internal assertion on these operands with torch 2.11.
     """
     if scale_a.dim():
         scale_a = scale_a.reshape(())
     if scale_b.dim():
         scale_b = scale_b.reshape(())
     if torch.compiler.is_compiling():
-        return _scaled_mm_op(a, b, scale_a, scale_b, out_dtype, fast_accum)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        return _scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 def _add_bias_and_activate(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]):
-    """``(pre_act, y)``: the bias added to the GEMM output in place, then the activation (one pass on GPUs)."""
+    """``(pre_act, y)``: the bias (if any) added to the GEMM output in place, then the activation (one
+    pass on GPUs)."""
     if activation and use_triton(h):
-        y, _, _ = bias_act(h, bias, activation, pre_act_out=h)
+        y, _, _ = bias_act(h, bias, activation, pre_act_out=h if bias is not None else None)
         return h, y
     if bias is not None:
         h.add_(bias.to(h.dtype))
@@ -191,17 +210,21 @@ class _FP8LinearFunction(torch.autograd.Function):
                                                             transpose=need_wgrad, margin=recipe.margin)
             scale_inv_x = scale_x.reciprocal()
         w_nk, w_kn, scale_inv_w = module._fp8_weight(plan)
-        h = _scaled_mm(xq, w_nk.t(), scale_inv_x, scale_inv_w, plan.dtype, fast_accum=True)
+        gemm_bias = epilogue_bias(bias, plan.dtype)
+        h = _scaled_mm(xq, w_nk.t(), scale_inv_x, scale_inv_w, plan.dtype, fast_accum=True, bias=gemm_bias)
+        # Where the GEMM added the bias, h is already the pre-activation; else the activation pass adds it.
+        later_bias = bias if gemm_bias is None else None
         activation = module.activation
         consumer = module._consumer_for(plan)
         if consumer is None:
-            h, y = _add_bias_and_activate(h, bias, activation)
+            h, y = _add_bias_and_activate(h, later_bias, activation)
         else:
             # One pass: bias, activation, and the consumer's FP8 input (row-wise, transposed, amax).
             scale_c, scale_inv_c, amax_c = plan.state.slot("forward", 2 * consumer.fp8_index)
             consumer_wgrad = consumer.weight.requires_grad and plan.grad_enabled
-            y, yq, yq_t = bias_act(h, bias, activation, scale=scale_c, fp8_dtype=recipe.forward_dtype, amax=amax_c,
-                                   transpose=consumer_wgrad, pre_act_out=h)
+            y, yq, yq_t = bias_act(h, later_bias, activation, scale=scale_c, fp8_dtype=recipe.forward_dtype,
+                                   amax=amax_c, transpose=consumer_wgrad,
+                                   pre_act_out=h if later_bias is not None else None)
             plan.handoff = (consumer, yq, yq_t, scale_inv_c)
         ctx.plan = plan
         ctx.has_bias = bias is not None

@@ -13,6 +13,8 @@ from lightning_fuse import CurrentScaling, DelayedScaling, FP8Linear, FP8Scaling
 from lightning_fuse import fp8_autocast
 from lightning_fuse.kernels import (
     activation_derivative_reference,
+    activation_reference,
+    bias_act,
     dact_dbias_quantize,
     dbias_quantize,
     quantize,
@@ -64,6 +66,33 @@ def test_quantize_and_dbias_quantize_at_training_sizes(m, n):
     dq, dq_t, db = dbias_quantize(x, scale=torch.tensor(9.0, device="cuda"), fp8_dtype=E5M2, transpose=True)
     assert torch.equal(dq.view(torch.uint8), quantize_reference(x, 9.0, E5M2).view(torch.uint8))
     assert torch.equal(dq_t.view(torch.uint8), dq.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu", "relu", "silu", "quick_gelu", "squared_relu"])
+@pytest.mark.parametrize("m,n", [(16384, 6400), (4099, 1000)])
+def test_bias_act_at_training_sizes(dtype, with_bias, activation, m, n):
+    # The forward pass the modules run after the GEMM: output, its FP8 copies (every transposed
+    # element) and their amax, against float64.
+    h = torch.randn(m, n, device="cuda", dtype=dtype) * 2
+    bias = torch.randn(n, device="cuda", dtype=dtype) if with_bias else None
+    # Added in fp32 and rounded: the pre-activation the backward reads, so the forward uses it too.
+    pre = (h.float() + bias.float()).to(dtype).double() if with_bias else h.double()
+    y64 = activation_reference(pre, activation)
+    scale = (224.0 / y64.abs().max()).float()
+    amax = torch.zeros(1, device="cuda")
+    pre_out = torch.empty_like(h) if with_bias else None
+    _poison(4 * m * n)
+    y, q, q_t = bias_act(h, bias, activation, scale=scale, fp8_dtype=E4M3, amax=amax, transpose=True,
+                         pre_act_out=pre_out)
+    assert y.dtype == dtype
+    assert sqnr_db(y.double(), y64) >= 40
+    assert_fp8_close(q, quantize_reference(y.double(), scale.double(), E4M3))
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
+    assert amax.item() == pytest.approx(y.double().abs().max().item(), rel=1e-6)
+    if with_bias:
+        assert torch.equal(pre_out, pre.to(dtype))
 
 
 # -- torch._scaled_mm: exactly what the modules rely on --------------------------------------------

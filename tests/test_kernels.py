@@ -324,3 +324,28 @@ def test_every_launch_configuration_gives_the_same_bits(config):
     dx64 = _reference(grad, pre, "gelu_tanh")
     _check_dbias(dbias.cpu(), dx64.cpu())
     assert amax.item() == pytest.approx(dx64.abs().max().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("m,n", [(16384, 6400), (32768, 8192), (8192, 3072), (100, 64), (16384, 100000)])
+def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m, n):
+    # The CUDA branch of the grid choice, with the device's answer faked: 132 multiprocessors.
+    from lightning_fuse.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    _launch._CONFIGS.clear()
+    cuda = torch.device("cuda", 0)
+    try:
+        for pipelined, whole_waves in [(True, False), (True, True), (False, False)]:
+            cfg = _launch.pick_config(m, n, cuda, pipelined=pipelined, whole_waves=whole_waves)
+            rows, groups = cfg.row_groups(m)
+            strips = -(-n // cfg.block_n)
+            slots = 132 * (4 if pipelined else 8)
+            assert rows % cfg.block_m == 0 and (groups - 1) * rows < m <= groups * rows  # no empty group
+            assert cfg.loop_stages == (3 if pipelined else 0)
+            if groups * cfg.block_m < m:  # rows left to spread: the grid is as large as the rule allows
+                if whole_waves:
+                    assert groups * strips <= slots or groups == 1
+                else:
+                    assert groups * strips >= slots
+    finally:
+        _launch._CONFIGS.clear()

@@ -282,3 +282,37 @@ def test_every_scale_is_16_byte_aligned_for_cublas():
         for index in range(state.groups[group].scale.shape[0]):
             scale, scale_inv, _ = state.slot(group, index)
             assert scale.data_ptr() % 16 == 0 and scale_inv.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("autocast_bf16", [True, False], ids=["bf16-output", "fp32-output"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", None])
+def test_bias_goes_into_the_gemm_epilogue_for_bf16_outputs(monkeypatch, autocast_bf16, activation):
+    # bf16 output: the forward GEMM receives the bias, rounded to bf16, and nothing adds it again;
+    # fp32 output (torch._scaled_mm takes no fp32 bias): the bias is added after the GEMM. Both match
+    # float64 (a bias added twice or not at all would not).
+    from lightning_fuse import modules
+
+    seen = []
+    real = modules._scaled_mm
+
+    def recording(a, b, scale_a, scale_b, out_dtype, fast_accum=False, bias=None):
+        seen.append((out_dtype, None if bias is None else bias.dtype))
+        return real(a, b, scale_a, scale_b, out_dtype, fast_accum, bias)
+
+    monkeypatch.setattr(modules, "_scaled_mm", recording)
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48)
+    with torch.no_grad():
+        linear.bias.mul_(20)  # large enough that a missing or doubled bias shows in the SQNR
+    module, _ = _bound(FusedLinearBiasActivation(linear, activation, emulate=True) if activation
+                       else FP8Linear(linear, emulate=True))
+    x = torch.randn(64, 32)
+    with torch.no_grad(), fp8_autocast(CurrentScaling()), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                                         enabled=autocast_bf16):
+        y = module(x)
+    expected = x.double() @ linear.weight.double().t() + linear.bias.double()
+    if activation:
+        expected = activation_reference(expected, activation)
+    assert y.dtype == (torch.bfloat16 if autocast_bf16 else torch.float32)
+    assert sqnr_db(y.double(), expected) >= 25
+    assert seen[0] == ((torch.bfloat16, torch.bfloat16) if autocast_bf16 else (torch.float32, None))

@@ -1,9 +1,18 @@
-"""Test set-up: on a machine without CUDA the Triton kernels run under the Triton interpreter."""
+"""Test set-up: on a machine without CUDA the Triton kernels run under the Triton interpreter; the
+repository root is taken off ``sys.path``."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The top-level kernels/ folder installs as lightning_fuse.kernels. `python -m pytest` run from the
+# repository root puts the root on sys.path, where that folder would shadow the PyPI package
+# `kernels`, which transformers (5.25 on) imports. The tests use the installed package only.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO_ROOT]
 
 if not torch.cuda.is_available():
     # Must be set before any @triton.jit function is created, i.e. before lightning_fuse is imported.

@@ -98,16 +98,28 @@ SWEEP_VARIANTS = [
 SHIPPED_VARIANT = SWEEP_VARIANTS[1]  # what pick_config chooses for the bias-gradient passes
 
 
+# kernel -> (activation id, FP8 code, bias gradient, FP8 dtype) of the pass the sweep times
+SWEEP_KERNELS = {"dact_dbias_quantize": (2, 2, True, GRAD), "dbias_quantize": (0, 2, True, GRAD),
+                 "quantize": (0, 1, False, FWD)}
+
+
 def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2, 4, 8), on_row=None,
-          variants=SWEEP_VARIANTS):
-    """Times launch configurations of the fused kernel (``SWEEP_VARIANTS`` x programs per
-    multiprocessor, ``occ`` = exactly one wave at the compiled kernel's occupancy), checking every
-    output of each, and returns the rows; ``on_row`` sees each row as it is made."""
+          variants=SWEEP_VARIANTS, kernel="dact_dbias_quantize"):
+    """Times launch configurations of one of the backward/cast passes (``SWEEP_KERNELS``; by default
+    the fused kernel): ``SWEEP_VARIANTS`` x programs per multiprocessor, ``occ`` = exactly one wave
+    at the compiled kernel's occupancy. Checks every output of each, and returns the rows;
+    ``on_row`` sees each row as it is made."""
+    activation, fp8_code, with_dbias, fp8_dtype = SWEEP_KERNELS[kernel]
     grad = torch.randn(m, n, device="cuda", dtype=dtype)
-    pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
-    scale = torch.tensor(2048.0, device="cuda")
+    pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2 if activation else None
+    scale = torch.tensor(2048.0 if fp8_code == 2 else 32.0, device="cuda")
     amax = torch.zeros(1, device="cuda")
-    ref = _dact_reference(grad, pre, scale, GRAD)
+    if activation:
+        ref = _dact_reference(grad, pre, scale, GRAD)
+    elif with_dbias:
+        ref = unfused_dbias_quantize(grad.float(), scale, GRAD, amax.clone())
+    else:
+        ref = unfused_quantize(grad.float(), scale, FWD, amax.clone())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = torch.empty(m, n, dtype=torch.uint8, device="cuda")
     out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
@@ -116,10 +128,10 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2
     for (encoder, bm, bn, warps, stages, tbytes), per_sm in itertools.product(variants, per_sm_values):
         os.environ["LIGHTNING_FUSE_FP8_ENCODER"] = encoder
         strips = -(-n // bn)
-        row = dict(M=m, N=n, encoder=encoder, block_m=bm, block_n=bn, warps=warps, stages=stages,
+        row = dict(kernel=kernel, M=m, N=n, encoder=encoder, block_m=bm, block_n=bn, warps=warps, stages=stages,
                    transpose_bytes=tbytes, per_sm=per_sm)
         try:
-            compiled = _launch(grad, pre, 2, scale, 2, amax, True, True, True,
+            compiled = _launch(grad, pre, activation, scale, fp8_code, amax, True, with_dbias, True,
                                LaunchConfig(bm, bn, warps, 1, tbytes, stages), out, out_t, dbias, False)
             resident = _resident_per_sm(compiled, warps)
             if per_sm in ("occ", "occ2"):  # whole waves: never a partly filled last one
@@ -133,15 +145,17 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2
             seen.add(key)
 
             def run():
-                _launch(grad, pre, 2, scale, 2, amax, True, True, True, cfg, out, out_t, dbias, False)
+                _launch(grad, pre, activation, scale, fp8_code, amax, True, with_dbias, True, cfg, out, out_t, dbias,
+                        False)
             out.fill_(255)
             out_t.fill_(255)
             run()
-            ok, _ = _check(f"sweep {cfg}", (out.view(GRAD), out_t.view(GRAD), dbias), ref)
+            ok, _ = _check(f"sweep {kernel} {cfg}", (out.view(fp8_dtype), out_t.view(fp8_dtype),
+                                                      dbias if with_dbias else None), ref)
             ms = graph_ms(run, rep_ms=60)
             row.update(regs=compiled.n_regs, spills=compiled.n_spills, shared=compiled.metadata.shared,
                        resident=resident, groups=cfg.row_groups(m)[1], ms=ms,
-                       GBps=m * n * (2 * grad.element_size() + 2) / ms / 1e6, ok=str(ok))
+                       GBps=m * n * ((2 if activation else 1) * grad.element_size() + 2) / ms / 1e6, ok=str(ok))
         except Exception as exc:  # a configuration the compiler rejects (e.g. out of resources)
             row.update(ms=float("nan"), ok=repr(exc)[:80])
         rows.append(row)
@@ -276,6 +290,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the fused kernel")
     parser.add_argument("--sweep-sizes", default="16384x6400", help="sizes the sweep runs at")
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
+    parser.add_argument("--sweep-kernel", default="dact_dbias_quantize", choices=list(SWEEP_KERNELS),
+                        help="the pass the sweep times")
     parser.add_argument("--sweep-grid-only", action="store_true",
                         help="sweep only the number of programs, with the shipped tiles and pipelining")
     parser.add_argument("--sweep-bias-act", action="store_true",
@@ -302,7 +318,7 @@ def main():
         print_table(sorted(done, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:8], columns)
         return
     if args.sweep:
-        columns = ["M", "N", "encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes",
+        columns = ["kernel", "M", "N", "encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes",
                    "per_sm", "regs", "resident", "groups", "ms", "frac_copy", "ok"]
         sweep_rows = []
 
@@ -314,9 +330,9 @@ def main():
         for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
             if args.sweep_grid_only:  # the shipped tiles, only the grid size varies: whole waves or not
                 sweep_rows += sweep(m, n, per_sm_values=("occ", "occ2", 3, 4, 8), on_row=on_row,
-                                    variants=[SHIPPED_VARIANT])
+                                    variants=[SHIPPED_VARIANT], kernel=args.sweep_kernel)
             else:
-                sweep_rows += sweep(m, n, on_row=on_row)
+                sweep_rows += sweep(m, n, on_row=on_row, kernel=args.sweep_kernel)
         print("fastest:")
         print_table(sorted(sweep_rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:8], columns)
         if args.sweep_only:

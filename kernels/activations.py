@@ -41,10 +41,11 @@ def activation_id(name: object, argument: str = "activation") -> int:
 
 
 @triton.jit
-def _sigmoid(z):
-    # Approximate reciprocal (2 ulp): IEEE division costs several times the instructions, and
-    # this kernel family is bound by instruction issue once FP8 encoding is cheap.
-    return tl.fdiv(1.0, 1.0 + tl.exp(-z))
+def _sigmoid(t):
+    """``sigmoid(z)`` from ``t = -z log2(e)``: ``1 / (1 + 2^t)``, 0 where ``2^t`` overflows. Callers fold
+    ``-log2(e)`` into their constants, which saves the multiply ``exp`` would add; the reciprocal is
+    the approximate one (2 ulp): IEEE division costs several times the instructions."""
+    return tl.fdiv(1.0, 1.0 + tl.math.exp2(t))
 
 
 @triton.jit
@@ -53,15 +54,15 @@ def act_forward(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 1:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACTIVATION == 2:
-        # 0.5 (1 + tanh(u)) == sigmoid(2 u), without the cancellation for large negative x.
-        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        return x * _sigmoid(2.0 * u)
+        # 0.5 (1 + tanh(u)) == sigmoid(2 u), without the cancellation for large negative x;
+        # -2 u log2(e) = x (-2.302208198144325 - 0.1029432395800235 * x^2).
+        return x * _sigmoid(x * (-2.302208198144325 - 0.1029432395800235 * x * x))
     elif ACTIVATION == 3:
         return tl.maximum(x, 0.0)
     elif ACTIVATION == 4:
-        return x * _sigmoid(x)
+        return x * _sigmoid(-1.4426950408889634 * x)
     elif ACTIVATION == 5:
-        return x * _sigmoid(1.702 * x)
+        return x * _sigmoid(-2.4554669595930156 * x)
     elif ACTIVATION == 6:
         r = tl.maximum(x, 0.0)
         return r * r
@@ -74,21 +75,21 @@ def act_derivative(x, ACTIVATION: tl.constexpr):
     """``act'(x)`` for fp32 ``x``."""
     if ACTIVATION == 1:
         cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        pdf = 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        pdf = 0.3989422804014327 * tl.math.exp2(-0.7213475204444817 * x * x)
         return cdf + x * pdf
     elif ACTIVATION == 2:
-        # With s = sigmoid(2 u): 0.5 (1 + tanh u) = s and 0.5 (1 - tanh(u)^2) = 2 s (1 - s).
+        # With s = sigmoid(2 u): 0.5 (1 + tanh u) = s and 0.5 (1 - tanh(u)^2) = 2 s (1 - s), so
+        # act' = s + x s (1 - s) (2 du/dx), 2 du/dx = 1.5957691216057308 + 0.21406444881780076 * x^2.
         x2 = x * x
-        s = _sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x2))
-        du = 0.7978845608028654 * (1.0 + 0.134145 * x2)
-        return s + 2.0 * x * s * (1.0 - s) * du
+        s = _sigmoid(x * (-2.302208198144325 - 0.1029432395800235 * x2))
+        return s + x * s * (1.0 - s) * (1.5957691216057308 + 0.21406444881780076 * x2)
     elif ACTIVATION == 3:
         return tl.where(x > 0.0, 1.0, 0.0)
     elif ACTIVATION == 4:
-        s = _sigmoid(x)
+        s = _sigmoid(-1.4426950408889634 * x)
         return s * (1.0 + x * (1.0 - s))
     elif ACTIVATION == 5:
-        s = _sigmoid(1.702 * x)
+        s = _sigmoid(-2.4554669595930156 * x)
         return s + 1.702 * x * s * (1.0 - s)
     elif ACTIVATION == 6:
         return 2.0 * tl.maximum(x, 0.0)

@@ -11,10 +11,10 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from ._launch import (as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config, fp8_encoder,
+from ._launch import (as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder, launcher, pick_config,
                       use_triton)
 from .activations import act_forward, activation_id, activation_reference
-from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
+from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
 
 __all__ = ["bias_act", "bias_act_reference"]
 
@@ -64,7 +64,7 @@ def _bias_act_kernel(
             tl.store(y_ptr + offs_m[:, None] * stride_y_m + offs_n[None, :], y, mask=mask)
             y = y.to(tl.float32)
         if COMPUTE_AMAX:
-            amax_acc = tl.maximum(amax_acc, tl.where(y == y, tl.abs(y), float("inf")))
+            amax_acc = amax_update(amax_acc, y)
         if FP8_FORMAT != 0:
             codes = fp8_codes(y * scale, FP8_FORMAT, ENCODER)
             q_ptrs = q_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_q_m + offs_n[None, :]
@@ -74,7 +74,7 @@ def _bias_act_kernel(
                 tl.store(q_t_ptrs, tl.trans(codes).to(tl.uint8),
                          mask=tl.trans(mask))
     if COMPUTE_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(amax_acc))
+        tl.atomic_max(amax_ptr, amax_finish(amax_acc))
 
 
 def _bias_act_run(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, out_dtype: torch.dtype,

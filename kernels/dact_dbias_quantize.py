@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, launcher, pick_config,
-                      fp8_encoder, use_triton)
+from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder,
+                      launcher, pick_config, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
-from .fp8 import FORMAT_DTYPES, fp8_codes, fp8_format
+from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
 
 __all__ = [
     "dact_dbias_quantize",
@@ -75,8 +75,7 @@ def _dact_dbias_quantize_kernel(
         if COMPUTE_DBIAS:
             dbias_acc += dx
         if COMPUTE_AMAX:
-            # NaN compares false everywhere, so it is mapped to +inf to survive the max.
-            amax_acc = tl.maximum(amax_acc, tl.where(dx == dx, tl.abs(dx), float("inf")))
+            amax_acc = amax_update(amax_acc, dx)
         if STORE_OUT:
             if FP8_FORMAT != 0:
                 # Integer codes, not fp8 values: see fp8.py for why the transposed copy needs it.
@@ -97,7 +96,7 @@ def _dact_dbias_quantize_kernel(
     if COMPUTE_DBIAS:
         tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
     if COMPUTE_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(amax_acc))
+        tl.atomic_max(amax_ptr, amax_finish(amax_acc))
 
 
 @triton.jit

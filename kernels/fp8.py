@@ -1,4 +1,4 @@
-"""FP8 formats, the in-kernel FP8 encoder, and the pure-torch quantization reference.
+"""FP8 formats, the in-kernel FP8 encoder and amax, and the pure-torch quantization reference.
 
 The kernels never use Triton's fp32 -> fp8 conversion. They round to the FP8 grid with integer
 arithmetic and store the byte codes as uint8, which the launchers view as the FP8 dtype:
@@ -126,6 +126,26 @@ def fp8_codes(x, FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr):
         return fp8_encode_ptx(x, FP8_FORMAT)
     else:
         return fp8_encode(x, FP8_FORMAT)
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def amax_update(acc, x):
+    """The running elementwise max of ``|x|`` that a kernel keeps for its amax. A NaN stays NaN: one
+    NaN-propagating max per element instead of a compare, a select and a max."""
+    return tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def amax_finish(acc):
+    """The amax of a program's accumulator, a NaN anywhere mapped to +inf (non-finite, and an ordered
+    value for the atomic max across programs)."""
+    largest = tl.reduce(acc, None, _max_keeping_nan)
+    return tl.where(largest == largest, largest, float("inf"))
 
 
 def quantize_reference(x: torch.Tensor, scale: torch.Tensor | float, fp8_dtype: torch.dtype) -> torch.Tensor:

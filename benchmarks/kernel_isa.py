@@ -1,0 +1,163 @@
+"""The kernels' instruction budget, without a GPU: each kernel is compiled for sm_90 (H100/H200) with
+the Triton toolchain's own `ptxas`, and its row loop's SASS instructions are counted per element.
+
+Why it matters: a pass that moves B bytes per element at the copy bandwidth must finish one
+element every ``B / (bandwidth / SMs / clock)`` cycles on each multiprocessor, and a multiprocessor
+issues at most 4 warp instructions (128 thread instructions) per cycle. So at full issue it can
+afford ``128 * B * SMs * clock / bandwidth`` instructions per element; no kernel issues every cycle,
+so the share of that budget a kernel needs is the issue efficiency it must sustain to run at the
+copy bandwidth. The defaults are an H200's (132 SMs, 4249 GB/s measured copy bandwidth; the clock,
+1.98 GHz, is the data-sheet boost clock, not a measurement).
+
+    python benchmarks/kernel_isa.py            # table of every kernel at its shipped launch
+    python benchmarks/kernel_isa.py --dump out  # also writes each kernel's PTX and SASS there
+
+The specialization matches a launch at sizes divisible by 16 (as Triton specializes them): unit
+strides as constants, every other integer and pointer 16-divisible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lightning_fuse.kernels.bias_act import _bias_act_kernel
+from lightning_fuse.kernels.dact_dbias_quantize import _dact_dbias_quantize_kernel
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+_DACT_ARGS = ["grad_ptr", "pre_act_ptr", "out_ptr", "out_t_ptr", "partial_ptr", "scale_ptr", "amax_ptr",
+              "stride_grad_m", "stride_grad_n", "stride_pre_m", "stride_pre_n", "stride_out_m", "stride_out_t_n",
+              "M", "N", "rows_per_group"]
+_DACT_TYPES = ["*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*fp32"] + ["i32"] * 9
+_BIAS_ACT_ARGS = ["h_ptr", "bias_ptr", "y_ptr", "q_ptr", "q_t_ptr", "scale_ptr", "amax_ptr", "pre_ptr",
+                  "stride_h_m", "stride_h_n", "stride_y_m", "stride_q_m", "stride_q_t_n", "stride_pre_m",
+                  "M", "N", "rows_per_group"]
+_BIAS_ACT_TYPES = ["*bf16", "*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*bf16"] + ["i32"] * 9
+
+
+def _dact_case(activation, pipelined, bytes_per_element):
+    constants = dict(ACTIVATION=activation, FP8_FORMAT=2, STORE_OUT=True, TRANSPOSE=True, COMPUTE_DBIAS=pipelined,
+                     COMPUTE_AMAX=True, ENCODER=1, TRANSPOSE_BYTES=False, LOOP_STAGES=3 if pipelined else None,
+                     BLOCK_M=64, BLOCK_N=64)
+    return (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
+            constants, 8, bytes_per_element)
+
+
+def _bias_act_case():
+    constants = dict(ACTIVATION=2, HAS_BIAS=False, STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True,
+                     COMPUTE_AMAX=True, ENCODER=1, LOOP_STAGES=None, BLOCK_M=32, BLOCK_N=64)
+    return _bias_act_kernel, _BIAS_ACT_ARGS, _BIAS_ACT_TYPES, {"stride_h_n": 1}, constants, 8, 6
+
+
+# name -> (kernel, argument names, types, unit strides, constexprs, warps, bytes per element): the shipped launch
+CASES = {
+    "dact_dbias_quantize gelu_tanh": _dact_case(2, True, 6),
+    "dact_dbias_quantize gelu": _dact_case(1, True, 6),
+    "dact_dbias_quantize relu": _dact_case(3, True, 6),
+    "dbias_quantize": _dact_case(0, True, 4),
+    "quantize": (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
+                 dict(_dact_case(0, False, 4)[4], COMPUTE_DBIAS=False), 8, 4),
+    "bias_act gelu_tanh": _bias_act_case(),
+    "dact_dbias_quantize silu": _dact_case(4, True, 6),
+}
+
+
+def compile_for_sm90(kernel, names, types, unit_strides, constants, warps):
+    """The compiled kernel for an sm_90 target: no GPU needed."""
+    signature = dict(zip(names, types))
+    for name in unit_strides:
+        signature[name] = "constexpr"
+    for name in constants:
+        signature[name] = "constexpr"
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name not in unit_strides}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={**unit_strides, **constants}, attrs=divisible)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def sass_and_registers(ptx: str) -> tuple[str, int]:
+    """Assembles the PTX with the bundled ptxas (as Triton does) and disassembles it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        src.write_text(ptx)
+        info = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", str(src), "-o", str(cubin)],
+                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    return sass, int(re.search(r"Used (\d+) registers", info).group(1))
+
+
+def loop_body(sass: str) -> list[str]:
+    """Opcodes of the row loop: the instructions between the target of the one backward branch and it."""
+    instructions = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            instructions.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    for address, opcode, operands in instructions:
+        target = re.match(r"\s+(0x[0-9a-f]+)", operands)
+        if opcode == "BRA" and target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            return [op for a, op, _ in instructions if start <= a <= address]
+    raise ValueError("no loop found in the SASS")
+
+
+def analyse(name, case, copy_gbps, sms, clock_ghz, dump: Path | None = None) -> dict:
+    kernel, names, types, unit_strides, constants, warps, nbytes = case
+    compiled = compile_for_sm90(kernel, names, types, unit_strides, constants, warps)
+    sass, registers = sass_and_registers(compiled.asm["ptx"])
+    body = loop_body(sass)
+    per_thread = constants["BLOCK_M"] * constants["BLOCK_N"] // (32 * warps)  # elements per thread per tile
+    per_element = len(body) / per_thread
+    budget = 128 * nbytes * sms * clock_ghz / copy_gbps  # instructions per element at full issue and copy bandwidth
+    kinds = collections.Counter(op.split(".")[0] for op in body)
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        stem = name.replace(" ", "_")
+        (dump / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+        (dump / f"{stem}.sass").write_text(sass)
+    return dict(kernel=name, bytes_per_element=nbytes, registers=registers,
+                shared_bytes=compiled.metadata.shared,
+                # what one multiprocessor holds: 64K registers, 64 warps, 228 KB of shared memory
+                programs_per_sm=min(65536 // (registers * 32 * warps), 64 // warps,
+                                    233472 // max(compiled.metadata.shared + 1024, 1)),
+                loop_sass_per_element=round(per_element, 1), budget_at_copy=round(budget, 1),
+                issue_needed_at_copy=round(per_element / budget, 2),
+                issue_needed_at_085=round(0.85 * per_element / budget, 2),
+                top=", ".join(f"{op} {count / per_thread:.1f}" for op, count in kinds.most_common(6)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--copy-gbps", type=float, default=4249.0, help="measured copy bandwidth (bench_kernels.py)")
+    parser.add_argument("--sms", type=int, default=132)
+    parser.add_argument("--clock-ghz", type=float, default=1.98)
+    parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS into this folder")
+    parser.add_argument("--only", help="analyse only the kernels whose name contains this")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("kernel_isa.py compiles for a GPU target: run it without TRITON_INTERPRET=1")
+    rows = [analyse(name, case, args.copy_gbps, args.sms, args.clock_ghz, args.dump) for name, case in CASES.items()
+            if args.only is None or args.only in name]
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1))
+    columns = list(rows[0])
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(str(row[c]).ljust(w) for c, w in zip(columns, widths)))
+
+
+if __name__ == "__main__":
+    main()

@@ -10,12 +10,18 @@ went (``profile.csv``: device ms per step by kernel category, and the GPU's idle
 
     python benchmarks/bench_e2e.py --out results/e2e --steps 30 --parity-steps 200
     python benchmarks/bench_e2e.py --dims 2048 --steps 12 --profile-steps 3 --out results/e2e_profile
+    python benchmarks/bench_e2e.py --dims 768 --repeats 3 --out results/e2e_768   # pairs in turn, median
+
+With ``--repeats N`` each size runs N (bf16, fused) pairs in turn; the speedup is the median of the
+pairs' ratios, with their range and the bf16 runs' spread beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -66,6 +72,8 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--parity-steps", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of each run (0: off)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each pair (bf16, then fused) this many times in turn; report medians and the spread")
     parser.add_argument("--convert", default="all", choices=["chains", "mlp", "all"],
                         help="which linears the callback makes FP8 (fuse.convert; its measurement reverts the slower)")
     args = parser.parse_args()
@@ -75,11 +83,12 @@ def main():
     convert = [f"fuse.convert={args.convert}"]
     for d in [int(v) for v in args.dims.split(",")]:
         row = {"d": d, "convert": args.convert}
-        for fused in (False, True):
+        measured = {False: [], True: []}
+        for repeat, fused in itertools.product(range(args.repeats), (False, True)):  # interleaved: drift hits both
             profile = [StepProfile(start=min(5, args.steps - args.profile_steps), steps=args.profile_steps)] \
-                if args.profile_steps else []
-            result = run(d, fused, args.steps, work / f"d{d}_{fused}", False, convert, profile)
-            row["fused_tok_s" if fused else "bf16_tok_s"] = result.tokens_per_sec
+                if args.profile_steps and repeat == 0 else []
+            result = run(d, fused, args.steps, work / f"d{d}_{fused}_{repeat}", False, convert, profile)
+            measured[fused].append(result.tokens_per_sec)
             if profile and profile[0].per_step_ms:
                 variant = "fused" if fused else "bf16"
                 profiles += [{"d": d, "run": variant, "category": k, "ms_per_step": v}
@@ -87,7 +96,13 @@ def main():
                 write_results(args.out, "profile", profiles)
                 write_results(args.out, f"kernels_d{d}_{variant}",
                               [{"kernel": k, "ms_per_step": v} for k, v in profile[0].kernels[:60]])
-        row["speedup"] = row["fused_tok_s"] / row["bf16_tok_s"]
+        row["bf16_tok_s"] = statistics.median(measured[False])
+        row["fused_tok_s"] = statistics.median(measured[True])
+        ratios = [f / b for b, f in zip(measured[False], measured[True])]  # each fused run over the bf16 run before it
+        row["speedup"] = statistics.median(ratios)
+        if args.repeats > 1:
+            row["speedup_min"], row["speedup_max"] = min(ratios), max(ratios)
+            row["bf16_spread"] = max(measured[False]) / min(measured[False]) - 1
         rows.append(row)
         print_table(rows[-1:], list(row))
         write_results(args.out, "e2e", rows)

@@ -32,7 +32,7 @@ from common import (
 )
 from lightning_fuse.kernels import (activation_derivative_reference, bias_act_reference, dact_dbias_quantize,
                                     dbias_quantize, quantize)
-from lightning_fuse.kernels._launch import LaunchConfig, fp8_encoder
+from lightning_fuse.kernels._launch import LaunchConfig, _pick_config, fp8_encoder
 from lightning_fuse.kernels.activations import activation_id
 from lightning_fuse.kernels.bias_act import _bias_act_kernel
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
@@ -181,13 +181,12 @@ def sweep_bias_act(m=16384, n=8192, dtype=torch.bfloat16, on_row=None):
     q = torch.empty(m, n, dtype=torch.uint8, device="cuda")
     q_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
     ref_y, ref_q, _ = bias_act_reference(h, None, "gelu_tanh", scale=scale, fp8_dtype=FWD)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for (stages, warps, (bm, bn)), per_sm in itertools.product(BIAS_ACT_VARIANTS, ("f4", "c8")):
         strips = -(-n // bn)
-        slots = sms * int(per_sm[1:])
-        groups = slots // strips if per_sm[0] == "f" else -(-slots // strips)
-        rows_per_group, groups = LaunchConfig(bm, bn, warps, max(1, min(groups, -(-m // bm)))).row_groups(m)
+        # the library's grid rule (kernels/_launch.py), with this variant's tiles and programs per SM
+        cfg = _pick_config(m, n, h.device, bm, bn, warps, int(per_sm[1:]), stages, per_sm[0] == "f")
+        rows_per_group, groups = cfg.row_groups(m)
         row = dict(M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages, per_sm=per_sm, groups=groups)
 
         def run():

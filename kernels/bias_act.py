@@ -177,6 +177,8 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
         if pre_act_out.shape != h.shape or pre_act_out.stride(-1) != 1:
             raise ValueError(f"`pre_act_out` must have `h`'s shape {tuple(h.shape)} with contiguous rows; got shape "
                              f"{tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
+        if bias is None and pre_act_out is h:
+            pre_act_out = None  # h already is the pre-activation: writing it back would copy it onto itself
     leading = h.shape[:-1]
     h2 = h if h.dim() == 2 else h.reshape(-1, n)
     if not use_triton(h2):

@@ -137,7 +137,7 @@ def _max_keeping_nan(a, b):
 def amax_update(acc, x):
     """The running elementwise max of ``|x|`` that a kernel keeps for its amax. A NaN stays NaN: one
     NaN-propagating max per element instead of a compare, a select and a max."""
-    return tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+    return _max_keeping_nan(acc, tl.abs(x))
 
 
 @triton.jit

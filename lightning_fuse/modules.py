@@ -179,7 +179,7 @@ def _add_bias_and_activate(h: torch.Tensor, bias: Optional[torch.Tensor], activa
     """``(pre_act, y)``: the bias (if any) added to the GEMM output in place, then the activation (one
     pass on GPUs)."""
     if activation and use_triton(h):
-        y, _, _ = bias_act(h, bias, activation, pre_act_out=h if bias is not None else None)
+        y, _, _ = bias_act(h, bias, activation, pre_act_out=h)
         return h, y
     if bias is not None:
         h.add_(bias.to(h.dtype))
@@ -223,8 +223,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             scale_c, scale_inv_c, amax_c = plan.state.slot("forward", 2 * consumer.fp8_index)
             consumer_wgrad = consumer.weight.requires_grad and plan.grad_enabled
             y, yq, yq_t = bias_act(h, later_bias, activation, scale=scale_c, fp8_dtype=recipe.forward_dtype,
-                                   amax=amax_c, transpose=consumer_wgrad,
-                                   pre_act_out=h if later_bias is not None else None)
+                                   amax=amax_c, transpose=consumer_wgrad, pre_act_out=h)
             plan.handoff = (consumer, yq, yq_t, scale_inv_c)
         ctx.plan = plan
         ctx.has_bias = bias is not None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 
 import torch
 
@@ -32,8 +31,7 @@ from common import (
 )
 from lightning_fuse.kernels import (activation_derivative_reference, bias_act_reference, dact_dbias_quantize,
                                     dbias_quantize, quantize)
-from lightning_fuse.kernels._launch import LaunchConfig, _pick_config, fp8_encoder
-from lightning_fuse.kernels.activations import activation_id
+from lightning_fuse.kernels._launch import LaunchConfig, fp8_encoder, launch_config
 from lightning_fuse.kernels.bias_act import _bias_act_kernel
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
 
@@ -87,34 +85,50 @@ def _resident_per_sm(compiled, warps: int) -> int:
     return max(1, min(32, props.max_threads_per_multi_processor // (32 * warps), by_regs, by_shared))
 
 
-# (encoder, block_m, block_n, warps, loop stages, byte transposes); the first is the previous
-# default, the second the shipped one (SHIPPED_VARIANT).
-SWEEP_VARIANTS = [
-    ("ptx", 64, 64, 8, 0, False), ("ptx", 64, 64, 8, 3, False), ("ptx", 64, 64, 8, 2, False),
-    ("ptx", 64, 64, 8, 4, False), ("ptx", 64, 64, 4, 3, False), ("ptx", 128, 64, 8, 3, False),
-    ("ptx", 64, 128, 8, 3, False), ("ptx", 32, 128, 4, 3, False), ("ptx", 64, 64, 4, 0, False),
-    ("ptx4", 64, 64, 8, 3, False), ("ptx", 64, 64, 8, 3, True),
-]
-SHIPPED_VARIANT = SWEEP_VARIANTS[1]  # what pick_config chooses for the bias-gradient passes
-
-
-# kernel -> (activation id, FP8 code, bias gradient, FP8 dtype) of the pass the sweep times
+# (block_m, block_n, warps, loop stages) per pass. Candidates chosen on the CPU with kernel_isa.py:
+# tiles whose row sets (block_m / 4 rows) give 16-byte loads, and the next smaller ones.
+SWEEP_VARIANTS = {
+    "dact_dbias_quantize": [(64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (128, 64, 8, 0), (64, 64, 4, 3)],
+    "dbias_quantize": [(64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (128, 64, 8, 0), (32, 128, 4, 0)],
+    "quantize": [(64, 64, 4, 0), (128, 64, 8, 0), (128, 64, 4, 0), (32, 64, 4, 0), (64, 64, 8, 0)],
+    "bias_act": [(32, 64, 8, 0), (64, 64, 8, 0), (32, 64, 4, 0), (64, 64, 4, 0), (32, 128, 4, 0)],
+}
+# pass -> (activation id, FP8 code, bias gradient, FP8 dtype)
 SWEEP_KERNELS = {"dact_dbias_quantize": (2, 2, True, GRAD), "dbias_quantize": (0, 2, True, GRAD),
-                 "quantize": (0, 1, False, FWD)}
+                 "quantize": (0, 1, False, FWD), "bias_act": (2, 1, False, FWD)}
 
 
-def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2, 4, 8), on_row=None,
-          variants=SWEEP_VARIANTS, kernel="dact_dbias_quantize"):
-    """Times launch configurations of one of the backward/cast passes (``SWEEP_KERNELS``; by default
-    the fused kernel): ``SWEEP_VARIANTS`` x programs per multiprocessor, ``occ`` = exactly one wave
-    at the compiled kernel's occupancy. Checks every output of each, and returns the rows;
-    ``on_row`` sees each row as it is made."""
+def _shipped_variant(kernel, m, n):
+    """(block_m, block_n, warps, loop stages) of the launch the library picks for ``kernel``."""
+    cfg = launch_config(kernel, m, n, torch.device("cuda"))
+    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.loop_stages
+
+
+def _groups(per_sm, m, n, bm, bn, resident, sms):
+    """Programs along M: ``occ``/``occ2`` make exactly one/two full waves at the compiled kernel's
+    residency (never a partly filled last wave); a number asks for that many programs per
+    multiprocessor, rounded up."""
+    strips, row_tiles = -(-n // bn), -(-m // bm)
+    if per_sm in ("occ", "occ2"):
+        return max(1, min(row_tiles, (sms * resident * (2 if per_sm == "occ2" else 1)) // strips))
+    return max(1, min(row_tiles, -(-(sms * per_sm) // strips)))
+
+
+def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 8), on_row=None, variants=None,
+          kernel="dact_dbias_quantize"):
+    """Times launch configurations of one pass (``SWEEP_KERNELS``): ``variants`` (by default
+    ``SWEEP_VARIANTS[kernel]``) x programs per multiprocessor (``_groups``). Checks every output of
+    each, and returns the rows; ``on_row`` sees each row as it is made."""
     activation, fp8_code, with_dbias, fp8_dtype = SWEEP_KERNELS[kernel]
-    grad = torch.randn(m, n, device="cuda", dtype=dtype)
-    pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2 if activation else None
+    grad = torch.randn(m, n, device="cuda", dtype=dtype) * (2 if kernel == "bias_act" else 1)
+    pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2 if kernel == "dact_dbias_quantize" else None
     scale = torch.tensor(2048.0 if fp8_code == 2 else 32.0, device="cuda")
     amax = torch.zeros(1, device="cuda")
-    if activation:
+    if kernel == "bias_act":
+        ref = bias_act_reference(grad, None, "gelu_tanh", scale=scale, fp8_dtype=FWD, transpose=True)
+        ref = (ref[1], ref[2], None)
+        y = torch.empty_like(grad)
+    elif activation:
         ref = _dact_reference(grad, pre, scale, GRAD)
     elif with_dbias:
         ref = unfused_dbias_quantize(grad.float(), scale, GRAD, amax.clone())
@@ -124,87 +138,41 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 2
     out = torch.empty(m, n, dtype=torch.uint8, device="cuda")
     out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
     dbias = torch.empty(n, dtype=torch.float32, device="cuda")
+
+    def launch(cfg):
+        if kernel != "bias_act":
+            return _launch(grad, pre, activation, scale, fp8_code, amax, True, with_dbias, True, cfg, out, out_t,
+                           dbias, False)
+        rows_per_group, groups = cfg.row_groups(m)
+        return _bias_act_kernel[(-(-n // cfg.block_n), groups)](
+            grad, grad, y, out, out_t, scale, amax, grad, grad.stride(0), grad.stride(1), y.stride(0), out.stride(0),
+            out_t.stride(0), 0, m, n, rows_per_group, ACTIVATION=activation, HAS_BIAS=False, STORE_PRE=False,
+            STORE_Y=True, FP8_FORMAT=fp8_code, TRANSPOSE=True, COMPUTE_AMAX=True,
+            ENCODER=fp8_encoder(grad), LOOP_STAGES=cfg.loop_stages or None, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+
     rows, seen = [], set()
-    for (encoder, bm, bn, warps, stages, tbytes), per_sm in itertools.product(variants, per_sm_values):
-        os.environ["LIGHTNING_FUSE_FP8_ENCODER"] = encoder
-        strips = -(-n // bn)
-        row = dict(kernel=kernel, M=m, N=n, encoder=encoder, block_m=bm, block_n=bn, warps=warps, stages=stages,
-                   transpose_bytes=tbytes, per_sm=per_sm)
+    for (bm, bn, warps, stages), per_sm in itertools.product(variants or SWEEP_VARIANTS[kernel], per_sm_values):
+        row = dict(kernel=kernel, M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
         try:
-            compiled = _launch(grad, pre, activation, scale, fp8_code, amax, True, with_dbias, True,
-                               LaunchConfig(bm, bn, warps, 1, tbytes, stages), out, out_t, dbias, False)
+            compiled = launch(LaunchConfig(bm, bn, warps, 1, stages))
             resident = _resident_per_sm(compiled, warps)
-            if per_sm in ("occ", "occ2"):  # whole waves: never a partly filled last one
-                groups = max(1, min(-(-m // bm), (sms * resident * (2 if per_sm == "occ2" else 1)) // strips))
-            else:
-                groups = max(1, min(-(-m // bm), -(-(sms * per_sm) // strips)))
-            cfg = LaunchConfig(bm, bn, warps, groups, tbytes, stages)
-            key = (encoder, bm, bn, warps, stages, tbytes, cfg.row_groups(m))
+            cfg = LaunchConfig(bm, bn, warps, _groups(per_sm, m, n, bm, bn, resident, sms), stages)
+            key = (bm, bn, warps, stages, cfg.row_groups(m))
             if key in seen:
                 continue
             seen.add(key)
-
-            def run():
-                _launch(grad, pre, activation, scale, fp8_code, amax, True, with_dbias, True, cfg, out, out_t, dbias,
-                        False)
             out.fill_(255)
             out_t.fill_(255)
-            run()
+            launch(cfg)
             ok, _ = _check(f"sweep {kernel} {cfg}", (out.view(fp8_dtype), out_t.view(fp8_dtype),
                                                       dbias if with_dbias else None), ref)
-            ms = graph_ms(run, rep_ms=60)
+            ms = graph_ms(lambda: launch(cfg), rep_ms=60)
+            nbytes = (2 if kernel in ("dact_dbias_quantize", "bias_act") else 1) * grad.element_size() + 2
             row.update(regs=compiled.n_regs, spills=compiled.n_spills, shared=compiled.metadata.shared,
-                       resident=resident, groups=cfg.row_groups(m)[1], ms=ms,
-                       GBps=m * n * ((2 if activation else 1) * grad.element_size() + 2) / ms / 1e6, ok=str(ok))
+                       resident=resident, groups=cfg.row_groups(m)[1], ms=ms, GBps=m * n * nbytes / ms / 1e6,
+                       ok=str(ok))
         except Exception as exc:  # a configuration the compiler rejects (e.g. out of resources)
-            row.update(ms=float("nan"), ok=repr(exc)[:80])
-        rows.append(row)
-        if on_row is not None:
-            on_row(rows)
-    os.environ.pop("LIGHTNING_FUSE_FP8_ENCODER", None)
-    return rows
-
-
-BIAS_ACT_VARIANTS = list(itertools.product((0, 3, 4), (4, 8), ((64, 64), (32, 64), (64, 128), (32, 128))))
-
-
-def sweep_bias_act(m=16384, n=8192, dtype=torch.bfloat16, on_row=None):
-    """Times launch configurations of the forward activation pass as the modules run it after an FP8
-    GEMM with the bias in its epilogue (gelu_tanh; output, e4m3 row-wise and transposed copies, amax;
-    6 bytes per element): ``BIAS_ACT_VARIANTS`` (loop stages, warps, tiles) x programs per
-    multiprocessor (``f4``: 4, rounded down to whole waves; ``c8``: 8, rounded up). Every output of
-    each is checked."""
-    h = torch.randn(m, n, device="cuda", dtype=dtype)
-    scale = torch.tensor(64.0, device="cuda")
-    amax = torch.zeros(1, device="cuda")
-    y = torch.empty_like(h)
-    q = torch.empty(m, n, dtype=torch.uint8, device="cuda")
-    q_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
-    ref_y, ref_q, _ = bias_act_reference(h, None, "gelu_tanh", scale=scale, fp8_dtype=FWD)
-    rows = []
-    for (stages, warps, (bm, bn)), per_sm in itertools.product(BIAS_ACT_VARIANTS, ("f4", "c8")):
-        strips = -(-n // bn)
-        # the library's grid rule (kernels/_launch.py), with this variant's tiles and programs per SM
-        cfg = _pick_config(m, n, h.device, bm, bn, warps, int(per_sm[1:]), stages, per_sm[0] == "f")
-        rows_per_group, groups = cfg.row_groups(m)
-        row = dict(M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages, per_sm=per_sm, groups=groups)
-
-        def run():
-            _bias_act_kernel[(strips, groups)](
-                h, h, y, q, q_t, scale, amax, h, h.stride(0), h.stride(1), y.stride(0), q.stride(0),
-                q_t.stride(0), 0, m, n, rows_per_group, ACTIVATION=activation_id("gelu_tanh"), HAS_BIAS=False,
-                STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True, COMPUTE_AMAX=True,
-                ENCODER=fp8_encoder(h), LOOP_STAGES=stages or None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-        try:
-            q.fill_(0)
-            q_t.fill_(0)
-            y.fill_(0)
-            run()
-            exact = (q == ref_q.view(torch.uint8)).float().mean().item()
-            ok = exact >= 0.99 and torch.equal(q_t, q.t()) and (y == ref_y).float().mean().item() >= 0.999
-            ms = graph_ms(run, rep_ms=100)
-            row.update(ms=ms, GBps=m * n * (2 * h.element_size() + 2) / ms / 1e6, exact=exact, ok=str(ok))
-        except Exception as exc:  # a configuration the compiler rejects
             row.update(ms=float("nan"), ok=repr(exc)[:80])
         rows.append(row)
         if on_row is not None:
@@ -289,12 +257,10 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the fused kernel")
     parser.add_argument("--sweep-sizes", default="16384x6400", help="sizes the sweep runs at")
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
-    parser.add_argument("--sweep-kernel", default="dact_dbias_quantize", choices=list(SWEEP_KERNELS),
-                        help="the pass the sweep times")
+    parser.add_argument("--sweep-kernel", default="dact_dbias_quantize",
+                        help=f"the passes the sweep times, comma-separated: {', '.join(SWEEP_KERNELS)}")
     parser.add_argument("--sweep-grid-only", action="store_true",
                         help="sweep only the number of programs, with the shipped tiles and pipelining")
-    parser.add_argument("--sweep-bias-act", action="store_true",
-                        help="time launch configurations of the forward activation pass at --sweep-sizes, then stop")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -302,23 +268,9 @@ def main():
     copy_gbps = copy_bandwidth_gbps()
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
     extra = {"copy_GBps": copy_gbps}
-    if args.sweep_bias_act:
-        columns = ["M", "N", "block_m", "block_n", "warps", "stages", "per_sm", "groups", "ms", "frac_copy", "ok"]
-        done = []
-
-        def on_bias_act_row(rows):
-            rows[-1]["frac_copy"] = rows[-1].get("GBps", float("nan")) / copy_gbps
-            write_results(args.out, "sweep_bias_act", done + rows, extra)
-            print_table(rows[-1:], columns)
-
-        for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
-            done += sweep_bias_act(m, n, on_row=on_bias_act_row)
-        print("fastest:")
-        print_table(sorted(done, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:8], columns)
-        return
     if args.sweep:
-        columns = ["kernel", "M", "N", "encoder", "block_m", "block_n", "warps", "stages", "transpose_bytes",
-                   "per_sm", "regs", "resident", "groups", "ms", "frac_copy", "ok"]
+        columns = ["kernel", "M", "N", "block_m", "block_n", "warps", "stages", "per_sm", "regs", "resident", "groups",
+                   "ms", "frac_copy", "ok"]
         sweep_rows = []
 
         def on_row(rows):  # written and printed row by row: a run cut off by its time limit keeps them
@@ -326,14 +278,18 @@ def main():
             write_results(args.out, "sweep", sweep_rows + rows, extra)
             print_table(rows[-1:], columns)
 
-        for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
-            if args.sweep_grid_only:  # the shipped tiles, only the grid size varies: whole waves or not
-                sweep_rows += sweep(m, n, per_sm_values=("occ", "occ2", 3, 4, 8), on_row=on_row,
-                                    variants=[SHIPPED_VARIANT], kernel=args.sweep_kernel)
-            else:
-                sweep_rows += sweep(m, n, on_row=on_row, kernel=args.sweep_kernel)
-        print("fastest:")
-        print_table(sorted(sweep_rows, key=lambda r: r["ms"] if r["ms"] == r["ms"] else 1e9)[:8], columns)
+        for kernel in args.sweep_kernel.split(","):
+            for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
+                variants = [_shipped_variant(kernel, m, n)] if args.sweep_grid_only else None
+                sweep_rows += sweep(m, n, on_row=on_row, kernel=kernel, variants=variants,
+                                    per_sm_values=("occ", "occ2", 2, 4, 8) if args.sweep_grid_only else ("occ", "occ2", 8))
+        print("fastest per pass and size:")
+        best = {}
+        for r in sweep_rows:
+            k = (r["kernel"], r["M"], r["N"])
+            if r["ms"] == r["ms"] and (k not in best or r["ms"] < best[k]["ms"]):
+                best[k] = r
+        print_table(list(best.values()), columns)
         if args.sweep_only:
             return
     rows = bench(sizes, DTYPES, copy_gbps, args.out)

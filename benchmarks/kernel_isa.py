@@ -31,6 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from lightning_fuse.kernels._launch import LAUNCH_RULES
 from lightning_fuse.kernels.bias_act import _bias_act_kernel
 from lightning_fuse.kernels.dact_dbias_quantize import _dact_dbias_quantize_kernel
 
@@ -46,30 +47,32 @@ _BIAS_ACT_ARGS = ["h_ptr", "bias_ptr", "y_ptr", "q_ptr", "q_t_ptr", "scale_ptr",
 _BIAS_ACT_TYPES = ["*bf16", "*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*bf16"] + ["i32"] * 9
 
 
-def _dact_case(activation, pipelined, bytes_per_element):
-    constants = dict(ACTIVATION=activation, FP8_FORMAT=2, STORE_OUT=True, TRANSPOSE=True, COMPUTE_DBIAS=pipelined,
-                     COMPUTE_AMAX=True, ENCODER=1, TRANSPOSE_BYTES=False, LOOP_STAGES=3 if pipelined else None,
-                     BLOCK_M=64, BLOCK_N=64)
+def _dact_case(pass_name, activation, bytes_per_element):
+    rule = LAUNCH_RULES[pass_name]
+    constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
+                     TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize", COMPUTE_AMAX=True, ENCODER=1, PACK_T=True,
+                     LOOP_STAGES=rule.loop_stages or None, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
-            constants, 8, bytes_per_element)
+            constants, rule.num_warps, bytes_per_element)
 
 
 def _bias_act_case():
+    rule = LAUNCH_RULES["bias_act"]
     constants = dict(ACTIVATION=2, HAS_BIAS=False, STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True,
-                     COMPUTE_AMAX=True, ENCODER=1, LOOP_STAGES=None, BLOCK_M=32, BLOCK_N=64)
-    return _bias_act_kernel, _BIAS_ACT_ARGS, _BIAS_ACT_TYPES, {"stride_h_n": 1}, constants, 8, 6
+                     COMPUTE_AMAX=True, ENCODER=1, LOOP_STAGES=rule.loop_stages or None,
+                     BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
+    return _bias_act_kernel, _BIAS_ACT_ARGS, _BIAS_ACT_TYPES, {"stride_h_n": 1}, constants, rule.num_warps, 6
 
 
 # name -> (kernel, argument names, types, unit strides, constexprs, warps, bytes per element): the shipped launch
 CASES = {
-    "dact_dbias_quantize gelu_tanh": _dact_case(2, True, 6),
-    "dact_dbias_quantize gelu": _dact_case(1, True, 6),
-    "dact_dbias_quantize relu": _dact_case(3, True, 6),
-    "dbias_quantize": _dact_case(0, True, 4),
-    "quantize": (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
-                 dict(_dact_case(0, False, 4)[4], COMPUTE_DBIAS=False), 8, 4),
+    "dact_dbias_quantize gelu_tanh": _dact_case("dact_dbias_quantize", 2, 6),
+    "dact_dbias_quantize gelu": _dact_case("dact_dbias_quantize", 1, 6),
+    "dact_dbias_quantize relu": _dact_case("dact_dbias_quantize", 3, 6),
+    "dact_dbias_quantize silu": _dact_case("dact_dbias_quantize", 4, 6),
+    "dbias_quantize": _dact_case("dbias_quantize", 0, 4),
+    "quantize": _dact_case("quantize", 0, 4),
     "bias_act gelu_tanh": _bias_act_case(),
-    "dact_dbias_quantize silu": _dact_case(4, True, 6),
 }
 
 
@@ -126,7 +129,8 @@ def analyse(name, case, copy_gbps, sms, clock_ghz, dump: Path | None = None) -> 
         stem = name.replace(" ", "_")
         (dump / f"{stem}.ptx").write_text(compiled.asm["ptx"])
         (dump / f"{stem}.sass").write_text(sass)
-    return dict(kernel=name, bytes_per_element=nbytes, registers=registers,
+    return dict(kernel=name, block=f"{constants['BLOCK_M']}x{constants['BLOCK_N']}", warps=warps,
+                bytes_per_element=nbytes, registers=registers,
                 shared_bytes=compiled.metadata.shared,
                 # what one multiprocessor holds: 64K registers, 64 warps, 228 KB of shared memory
                 programs_per_sm=min(65536 // (registers * 32 * warps), 64 // warps,
@@ -134,7 +138,9 @@ def analyse(name, case, copy_gbps, sms, clock_ghz, dump: Path | None = None) -> 
                 loop_sass_per_element=round(per_element, 1), budget_at_copy=round(budget, 1),
                 issue_needed_at_copy=round(per_element / budget, 2),
                 issue_needed_at_085=round(0.85 * per_element / budget, 2),
-                top=", ".join(f"{op} {count / per_thread:.1f}" for op, count in kinds.most_common(6)))
+                top=", ".join(f"{op} {count / per_thread:.1f}" for op, count in kinds.most_common(6)),
+                # the row loop's global stores by width (tests/test_instruction_budget.py)
+                loop_stores=dict(collections.Counter(op for op in body if op.startswith("STG"))))
 
 
 def main():

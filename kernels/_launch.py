@@ -16,8 +16,10 @@ __all__ = [
     "check_float_tensor",
     "check_scale",
     "device_has_fp8",
+    "LAUNCH_RULES",
+    "LaunchRule",
+    "launch_config",
     "launcher",
-    "pick_config",
     "ENCODERS",
     "fp8_encoder",
     "use_triton",
@@ -34,7 +36,8 @@ def fp8_encoder(t: torch.Tensor) -> int:
     compute capability 8.9) or the hardware conversion, one value per instruction (1, the default)
     or four values per three instructions (2).
 
-    ``LIGHTNING_FUSE_FP8_ENCODER=int|ptx|ptx4`` picks one on GPUs (the benchmark compares them).
+    ``LIGHTNING_FUSE_FP8_ENCODER=int|ptx|ptx4`` picks one on GPUs (tests/test_gpu.py checks the hardware
+    ones against the integer encoder bit for bit).
     """
     if not t.is_cuda:
         return 0
@@ -129,7 +132,6 @@ class LaunchConfig:
     block_n: int
     num_warps: int
     groups: int  # programs along M; each walks ceil(M / groups) rows, tile by tile
-    transpose_bytes: bool = False  # transpose 8-bit codes (True) or their int32 form (False) in shared memory
     loop_stages: int = 0  # software-pipeline depth of the row loop (0: the compiler's choice)
 
     def row_groups(self, m: int) -> tuple[int, int]:
@@ -139,38 +141,52 @@ class LaunchConfig:
         return rows, -(-m // rows)
 
 
-def pick_config(m: int, n: int, device: torch.device, *, pipelined: bool = True, whole_waves: bool = False,
-                block_m: int = 64, block_n: int = 64, num_warps: int = 8) -> LaunchConfig:
-    """Tiles and row groups for an ``(m, n)`` elementwise pass with a per-column reduction.
+@dataclass(frozen=True)
+class LaunchRule:
+    """How one pass is launched on a GPU: its tiles, warps and loop pipelining, and how many
+    programs per multiprocessor the grid aims for, rounded down to whole waves or up."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    loop_stages: int
+    programs_per_sm: int
+    whole_waves: bool
 
-    Each program walks a column strip over a group of rows so the bias-gradient partials stay in
-    registers; enough groups are made to give every multiprocessor several programs. The choices
-    are the fastest of sweeps on an H200 (benchmarks/bench_kernels.py --sweep, BENCHMARKS.md):
-    64 x 64 tiles, 8 warps and, for the passes that compute a bias gradient or an activation
-    gradient (``pipelined``), the row loop software-pipelined 3 deep (16% faster than the
-    compiler's default there; 2 deep was slower than none) with 4 programs per multiprocessor,
-    rounded up, or with ``whole_waves`` (the activation-gradient pass) rounded down (0.500 against
-    0.537 ms at 32768 x 8192; ``dbias_quantize`` was 11% slower that way). The plain cast was
-    faster without pipelining and with 8 programs per multiprocessor, rounded up; the forward
-    activation pass (``bias_act``) too, with 32-row tiles (``block_m=32``).
+
+# The fastest of the launch sweeps on an H200 (benchmarks/bench_kernels.py --sweep; BENCHMARKS.md).
+# The backward passes and the cast tile by four interleaved row sets (block_m / 4 rows each): these
+# tiles give each thread 16-byte loads of bf16 rows. Whole waves: the grid is a whole number of
+# waves at the compiled kernel's residency on an H200 (3, 5 and 5 programs per multiprocessor).
+LAUNCH_RULES: dict[str, LaunchRule] = {
+    "dact_dbias_quantize": LaunchRule(64, 64, 4, 3, 6, True),
+    "dbias_quantize": LaunchRule(64, 64, 4, 0, 5, True),
+    "quantize": LaunchRule(64, 64, 8, 0, 5, True),
+    "bias_act": LaunchRule(32, 64, 8, 0, 8, False),
+}
+
+
+def launch_config(pass_name: str, m: int, n: int, device: torch.device) -> LaunchConfig:
+    """Tiles and row groups for an ``(m, n)`` pass named in ``LAUNCH_RULES``.
+
+    Each program walks a column strip over a group of rows, so per-column partial sums (the bias
+    gradient) stay in registers; the group count gives every multiprocessor the rule's programs.
     """
-    programs_per_sm, loop_stages = (4, 3) if pipelined else (8, 0)
-    whole_waves = whole_waves and pipelined
+    rule = LAUNCH_RULES[pass_name]
     if torch.compiler.is_compiling():  # sizes may be symbolic there (not hashable): no cache
-        return _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm, loop_stages, whole_waves)
-    key = (m, n, device, block_m, block_n, num_warps, programs_per_sm, loop_stages, whole_waves)
+        return _pick_config(m, n, device, rule)
+    key = (pass_name, m, n, device)
     config = _CONFIGS.get(key)
     if config is None:
-        config = _CONFIGS[key] = _pick_config(m, n, device, block_m, block_n, num_warps, programs_per_sm,
-                                              loop_stages, whole_waves)
+        config = _CONFIGS[key] = _pick_config(m, n, device, rule)
     return config
 
 
 _CONFIGS: dict[tuple, LaunchConfig] = {}  # per shape: a launch costs tens of microseconds, this should not add to it
 
 
-def _pick_config(m: int, n: int, device: torch.device, block_m: int, block_n: int, num_warps: int,
-                 programs_per_sm: int, loop_stages: int, whole_waves: bool) -> LaunchConfig:
+def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule) -> LaunchConfig:
+    block_m, block_n, num_warps = rule.block_m, rule.block_n, rule.num_warps
+    programs_per_sm, loop_stages, whole_waves = rule.programs_per_sm, rule.loop_stages, rule.whole_waves
     if device.type != "cuda":
         # Interpreter: small tiles, so that tests cross tile edges and row groups.
         block_m, block_n, num_warps = 16, 32, 1

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from ._launch import (as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder, launcher, pick_config,
+from ._launch import (as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder, launch_config, launcher,
                       use_triton)
 from .activations import act_forward, activation_id, activation_reference
 from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
@@ -87,7 +87,7 @@ def _bias_act_run(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int
     q = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=dev) if fp8_code else None
     q_t = torch.empty((n, m), dtype=q.dtype, device=dev) if transpose else None
     if m > 0:
-        cfg = pick_config(m, n, dev, pipelined=False, block_m=32)  # 32-row tiles: a sweep's fastest (BENCHMARKS.md)
+        cfg = launch_config("bias_act", m, n, dev)
         rows_per_group, groups = cfg.row_groups(m)
         stride_h = h.stride()
         launcher(_bias_act_kernel, traced)[(-(-n // cfg.block_n), groups)](

@@ -23,9 +23,9 @@ import triton.language as tl
 from torch.library import triton_op
 
 from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder,
-                      launcher, pick_config, use_triton)
+                      launch_config, launcher, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
-from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
+from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_format, store_codes, store_packed_transpose
 
 __all__ = [
     "dact_dbias_quantize",
@@ -33,6 +33,19 @@ __all__ = [
     "dact_dbias_quantize_reference",
     "dbias_quantize",
 ]
+
+@triton.jit
+def _dx_rows(grad_ptr, pre_act_ptr, rows, offs_n, mask, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
+             ACTIVATION: tl.constexpr):
+    """``dx`` (fp32) of one set of rows: ``grad * act'(pre_act)``, or ``grad`` without an activation."""
+    dx = tl.load(grad_ptr + rows[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
+                 mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION != 0:
+        pre_act = tl.load(pre_act_ptr + rows[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
+                          mask=mask, other=0.0).to(tl.float32)
+        dx = dx * act_derivative(pre_act, ACTIVATION)
+    return dx
+
 
 @triton.jit
 def _dact_dbias_quantize_kernel(
@@ -43,56 +56,65 @@ def _dact_dbias_quantize_kernel(
     FP8_FORMAT: tl.constexpr,  # 0: write dx in out's dtype; 1: e4m3fn codes; 2: e5m2 codes
     STORE_OUT: tl.constexpr,  # False for the amax-only first pass of current scaling
     TRANSPOSE: tl.constexpr,
+    PACK_T: tl.constexpr,  # M % 4 == 0: the transposed copy is written as 32-bit words (store_packed_transpose)
     COMPUTE_DBIAS: tl.constexpr,
     COMPUTE_AMAX: tl.constexpr,
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
-    TRANSPOSE_BYTES: tl.constexpr,  # transpose the uint8 codes (less shared memory) or their int32 form
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    # A tile of BLOCK_M rows is four interleaved row sets (rows m0 + 4 i + j, j = 0..3) of the same
+    # layout, so each thread holds four consecutive rows of its columns: the transposed copy is
+    # packed into words in registers, and the accumulators are a quarter of the tile.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    quarter = tl.arange(0, BLOCK_M // 4)
     row_start = pid_m * rows_per_group
     # 2-D accumulators: one reduction at the end instead of a cross-warp reduction per tile.
-    dbias_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    amax_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dbias_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
+    amax_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
     if FP8_FORMAT != 0:
         scale = tl.load(scale_ptr)
     for m0 in tl.range(row_start, row_start + rows_per_group, BLOCK_M, num_stages=LOOP_STAGES):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask = (offs_m < M)[:, None] & mask_n[None, :]
-        grad = tl.load(grad_ptr + offs_m[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
-                       mask=mask, other=0.0).to(tl.float32)
-        if ACTIVATION != 0:
-            pre_act = tl.load(pre_act_ptr + offs_m[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
-                              mask=mask, other=0.0).to(tl.float32)
-            dx = grad * act_derivative(pre_act, ACTIVATION)
-        else:
-            dx = grad
+        r0 = m0 + 4 * quarter
+        k0 = (r0 < M)[:, None] & mask_n[None, :]
+        k1 = (r0 + 1 < M)[:, None] & mask_n[None, :]
+        k2 = (r0 + 2 < M)[:, None] & mask_n[None, :]
+        k3 = (r0 + 3 < M)[:, None] & mask_n[None, :]
+        d0 = _dx_rows(grad_ptr, pre_act_ptr, r0, offs_n, k0, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
+                      ACTIVATION)
+        d1 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 1, offs_n, k1, stride_grad_m, stride_grad_n, stride_pre_m,
+                      stride_pre_n, ACTIVATION)
+        d2 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 2, offs_n, k2, stride_grad_m, stride_grad_n, stride_pre_m,
+                      stride_pre_n, ACTIVATION)
+        d3 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 3, offs_n, k3, stride_grad_m, stride_grad_n, stride_pre_m,
+                      stride_pre_n, ACTIVATION)
         if COMPUTE_DBIAS:
-            dbias_acc += dx
+            dbias_acc += (d0 + d1) + (d2 + d3)
         if COMPUTE_AMAX:
-            amax_acc = amax_update(amax_acc, dx)
+            amax_acc = amax_update(amax_update(amax_update(amax_update(amax_acc, d0), d1), d2), d3)
         if STORE_OUT:
             if FP8_FORMAT != 0:
                 # Integer codes, not fp8 values: see fp8.py for why the transposed copy needs it.
-                codes = fp8_codes(dx * scale, FP8_FORMAT, ENCODER)
-                codes8 = codes.to(tl.uint8)
-                out_ptrs = out_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_out_m + offs_n[None, :]
-                tl.store(out_ptrs, codes8, mask=mask)
-                if TRANSPOSE:
-                    out_t_ptrs = (out_t_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_out_t_n
-                                  + offs_m[None, :])
-                    if TRANSPOSE_BYTES:
-                        tl.store(out_t_ptrs, tl.trans(codes8), mask=tl.trans(mask))
-                    else:
-                        tl.store(out_t_ptrs, tl.trans(codes).to(tl.uint8), mask=tl.trans(mask))
+                c0 = store_codes(out_ptr, out_t_ptr, r0, offs_n, k0, stride_out_m, stride_out_t_n, d0, scale,
+                                 FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+                c1 = store_codes(out_ptr, out_t_ptr, r0 + 1, offs_n, k1, stride_out_m, stride_out_t_n, d1, scale,
+                                 FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+                c2 = store_codes(out_ptr, out_t_ptr, r0 + 2, offs_n, k2, stride_out_m, stride_out_t_n, d2, scale,
+                                 FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+                c3 = store_codes(out_ptr, out_t_ptr, r0 + 3, offs_n, k3, stride_out_m, stride_out_t_n, d3, scale,
+                                 FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+                if TRANSPOSE and PACK_T:
+                    store_packed_transpose(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_out_t_n, c0, c1, c2, c3)
             else:
-                out_ptrs = out_ptr + offs_m[:, None] * stride_out_m + offs_n[None, :]
-                tl.store(out_ptrs, dx.to(out_ptr.dtype.element_ty), mask=mask)
+                out_rows = out_ptr + offs_n[None, :]
+                tl.store(out_rows + r0[:, None] * stride_out_m, d0.to(out_ptr.dtype.element_ty), mask=k0)
+                tl.store(out_rows + (r0 + 1)[:, None] * stride_out_m, d1.to(out_ptr.dtype.element_ty), mask=k1)
+                tl.store(out_rows + (r0 + 2)[:, None] * stride_out_m, d2.to(out_ptr.dtype.element_ty), mask=k2)
+                tl.store(out_rows + (r0 + 3)[:, None] * stride_out_m, d3.to(out_ptr.dtype.element_ty), mask=k3)
     if COMPUTE_DBIAS:
         tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
     if COMPUTE_AMAX:
@@ -133,8 +155,8 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         out.stride(0), out_t.stride(0) if transpose else 0,
         m, n, rows_per_group,
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
-        COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
-        TRANSPOSE_BYTES=config.transpose_bytes, LOOP_STAGES=config.loop_stages or None,
+        PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
+        LOOP_STAGES=config.loop_stages or None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
     if compute_dbias:
@@ -189,10 +211,10 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
-    block_m: int, block_n: int, num_warps: int, groups: int, transpose_bytes: bool, loop_stages: int,
+    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int,
     traced: bool, dbias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    config = LaunchConfig(block_m, block_n, num_warps, groups, transpose_bytes, loop_stages)
+    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages)
     out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, config,
                              traced, dbias_dtype)
     # A registered op returns tensors: empty ones stand for the outputs not asked for.
@@ -249,13 +271,14 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
         out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                           fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
         return out.view(grad.shape), out_t, (dbias.to(dbias_dtype) if compute_dbias else None)
-    cfg = pick_config(g2.shape[0], n, g2.device, pipelined=bool(compute_dbias or act), whole_waves=bool(act))
+    name = "dact_dbias_quantize" if act else ("dbias_quantize" if compute_dbias else "quantize")
+    cfg = launch_config(name, g2.shape[0], n, g2.device)
     if scale is not None and scale.dim() != 0:
         scale = scale.reshape(())
     if torch.compiler.is_compiling():
         out, out_t, dbias = _dact_dbias_quantize_op(g2, p2, act, scale, code, amax, transpose, compute_dbias,
                                                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups,
-                                                    cfg.transpose_bytes, cfg.loop_stages, True, dbias_dtype)
+                                                    cfg.loop_stages, True, dbias_dtype)
         out_t = out_t if transpose else None
         dbias = dbias if compute_dbias else None
     else:
@@ -353,7 +376,7 @@ def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], a
                         traced: bool, dbias_dtype: torch.dtype,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = grad.shape
-    cfg = pick_config(m, n, grad.device)
+    cfg = launch_config("dact_dbias_quantize" if activation else "dbias_quantize", m, n, grad.device)
     out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     dbias = torch.zeros((n if compute_dbias else 0,), dtype=dbias_dtype, device=grad.device)

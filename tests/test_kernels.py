@@ -27,8 +27,9 @@ from lightning_fuse.kernels import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
-# (leading shape, N): one row, N not a multiple of 16, several row groups, 3-D.
-SHAPES = [((1,), 48), ((37,), 70), ((67,), 33), ((2, 19), 48)]
+# (leading shape, N): one row, N not a multiple of 16, several row groups, 3-D. M % 4 != 0 (the
+# byte-wise transposed store) and M % 4 == 0 (the packed one: 68 rows, a partial last tile).
+SHAPES = [((1,), 48), ((37,), 70), ((67,), 33), ((2, 34), 70)]
 
 
 def _inputs(leading, n, dtype, *, seed=None):
@@ -304,7 +305,8 @@ def test_eager_calls_launch_the_kernels_directly(monkeypatch):
 @pytest.mark.parametrize("config", [
     dict(block_m=16, block_n=32, num_warps=1, groups=1),
     dict(block_m=32, block_n=16, num_warps=2, groups=3, loop_stages=2),
-    dict(block_m=16, block_n=64, num_warps=4, groups=5, transpose_bytes=True, loop_stages=3),
+    dict(block_m=16, block_n=64, num_warps=4, groups=5, loop_stages=3),
+    dict(block_m=4, block_n=16, num_warps=1, groups=7),
 ])
 def test_every_launch_configuration_gives_the_same_bits(config):
     # The benchmark sweeps these knobs; each must only change speed, never a single output bit.
@@ -335,15 +337,17 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
     _launch._CONFIGS.clear()
     cuda = torch.device("cuda", 0)
     try:
-        for pipelined, whole_waves in [(True, False), (True, True), (False, False)]:
-            cfg = _launch.pick_config(m, n, cuda, pipelined=pipelined, whole_waves=whole_waves)
+        for name, rule in _launch.LAUNCH_RULES.items():
+            cfg = _launch.launch_config(name, m, n, cuda)
             rows, groups = cfg.row_groups(m)
             strips = -(-n // cfg.block_n)
-            slots = 132 * (4 if pipelined else 8)
+            slots = 132 * rule.programs_per_sm
+            assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.loop_stages) == (
+                rule.block_m, rule.block_n, rule.num_warps, rule.loop_stages)
+            assert cfg.block_m % 4 == 0  # four interleaved row sets per tile
             assert rows % cfg.block_m == 0 and (groups - 1) * rows < m <= groups * rows  # no empty group
-            assert cfg.loop_stages == (3 if pipelined else 0)
             if groups * cfg.block_m < m:  # rows left to spread: the grid is as large as the rule allows
-                if whole_waves:
+                if rule.whole_waves:
                     assert groups * strips <= slots or groups == 1
                 else:
                     assert groups * strips >= slots

@@ -1,7 +1,8 @@
-"""The fused kernel's instruction count, checked without a GPU: benchmarks/kernel_isa.py compiles it
-for sm_90 with the toolchain Triton bundles and counts the SASS of its row loop. Near the copy
-bandwidth the kernel is bound by instruction issue (BENCHMARKS.md, "Instruction budget"), so more
-instructions per element are a slowdown this test sees before a GPU does."""
+"""The kernels' compiled code, checked without a GPU: benchmarks/kernel_isa.py compiles each pass for
+sm_90 with the toolchain Triton bundles and reads the SASS of its row loop. Near the copy bandwidth
+the fused kernel is bound by instruction issue (BENCHMARKS.md, "Instruction budget"), so more
+instructions per element are a slowdown this test sees before a GPU does; so are narrow stores of
+the packed transposed copy, which once made every pass 2-3.4 times slower."""
 
 import json
 import os

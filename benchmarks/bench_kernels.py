@@ -85,11 +85,15 @@ def _resident_per_sm(compiled, warps: int) -> int:
     return max(1, min(32, props.max_threads_per_multi_processor // (32 * warps), by_regs, by_shared))
 
 
-# (block_m, block_n, warps, loop stages) per pass. Candidates chosen on the CPU with kernel_isa.py:
+# (block_m, block_n, warps, loop stages[, max registers]) per pass. Candidates chosen on the CPU with kernel_isa.py:
 # tiles whose row sets (block_m / 4 rows) give 16-byte loads, and the next smaller ones.
+# A fifth entry caps the registers per thread (``maxnreg``): with 128 the fused kernel's pipelined
+# loop compiles without spills to 4 programs per multiprocessor instead of 3 (kernel_isa.py).
 SWEEP_VARIANTS = {
-    "dact_dbias_quantize": [(64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (128, 64, 8, 0), (64, 64, 4, 3)],
-    "dbias_quantize": [(64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (128, 64, 8, 0), (32, 128, 4, 0)],
+    "dact_dbias_quantize": [(64, 64, 4, 3), (64, 64, 4, 3, 128), (64, 64, 4, 2), (64, 64, 4, 0), (32, 64, 4, 0),
+                            (64, 64, 8, 0), (128, 64, 8, 0)],
+    "dbias_quantize": [(64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (128, 64, 8, 0), (32, 128, 4, 0),
+                       (64, 64, 4, 3)],
     "quantize": [(64, 64, 4, 0), (128, 64, 8, 0), (128, 64, 4, 0), (32, 64, 4, 0), (64, 64, 8, 0)],
     "bias_act": [(32, 64, 8, 0), (64, 64, 8, 0), (32, 64, 4, 0), (64, 64, 4, 0), (32, 128, 4, 0)],
 }
@@ -152,13 +156,15 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 8
             BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
 
     rows, seen = [], set()
-    for (bm, bn, warps, stages), per_sm in itertools.product(variants or SWEEP_VARIANTS[kernel], per_sm_values):
-        row = dict(kernel=kernel, M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages, per_sm=per_sm)
+    for (bm, bn, warps, stages, *cap), per_sm in itertools.product(variants or SWEEP_VARIANTS[kernel], per_sm_values):
+        max_registers = cap[0] if cap else 0
+        row = dict(kernel=kernel, M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages,
+                   max_registers=max_registers, per_sm=per_sm)
         try:
-            compiled = launch(LaunchConfig(bm, bn, warps, 1, stages))
+            compiled = launch(LaunchConfig(bm, bn, warps, 1, stages, max_registers))
             resident = _resident_per_sm(compiled, warps)
-            cfg = LaunchConfig(bm, bn, warps, _groups(per_sm, m, n, bm, bn, resident, sms), stages)
-            key = (bm, bn, warps, stages, cfg.row_groups(m))
+            cfg = LaunchConfig(bm, bn, warps, _groups(per_sm, m, n, bm, bn, resident, sms), stages, max_registers)
+            key = (bm, bn, warps, stages, max_registers, cfg.row_groups(m))
             if key in seen:
                 continue
             seen.add(key)
@@ -269,7 +275,8 @@ def main():
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
     extra = {"copy_GBps": copy_gbps}
     if args.sweep:
-        columns = ["kernel", "M", "N", "block_m", "block_n", "warps", "stages", "per_sm", "regs", "resident", "groups",
+        columns = ["kernel", "M", "N", "block_m", "block_n", "warps", "stages", "max_registers", "per_sm", "regs",
+                   "resident", "groups",
                    "ms", "frac_copy", "ok"]
         sweep_rows = []
 

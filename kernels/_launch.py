@@ -133,6 +133,7 @@ class LaunchConfig:
     num_warps: int
     groups: int  # programs along M; each walks ceil(M / groups) rows, tile by tile
     loop_stages: int = 0  # software-pipeline depth of the row loop (0: the compiler's choice)
+    max_registers: int = 0  # per-thread register cap for the compiler (0: its choice); eager launches only
 
     def row_groups(self, m: int) -> tuple[int, int]:
         """``(rows_per_group, groups)`` for ``m`` rows: whole tiles per group, no empty group."""

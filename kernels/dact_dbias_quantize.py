@@ -158,6 +158,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
         LOOP_STAGES=config.loop_stages or None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+        **({"maxnreg": config.max_registers} if config.max_registers and not traced else {}),
     )
     if compute_dbias:
         block = 256 if grad.is_cuda else 32

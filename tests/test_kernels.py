@@ -307,6 +307,7 @@ def test_eager_calls_launch_the_kernels_directly(monkeypatch):
     dict(block_m=32, block_n=16, num_warps=2, groups=3, loop_stages=2),
     dict(block_m=16, block_n=64, num_warps=4, groups=5, loop_stages=3),
     dict(block_m=4, block_n=16, num_warps=1, groups=7),
+    dict(block_m=16, block_n=32, num_warps=1, groups=2, max_registers=64),
 ])
 def test_every_launch_configuration_gives_the_same_bits(config):
     # The benchmark sweeps these knobs; each must only change speed, never a single output bit.

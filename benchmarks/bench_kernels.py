@@ -13,6 +13,7 @@ device time, as a fraction of the device-to-device copy bandwidth measured in th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
@@ -31,8 +32,8 @@ from common import (
 )
 from lightning_fuse.kernels import (activation_derivative_reference, bias_act_reference, dact_dbias_quantize,
                                     dbias_quantize, quantize)
-from lightning_fuse.kernels._launch import LaunchConfig, fp8_encoder, launch_config
-from lightning_fuse.kernels.bias_act import _bias_act_kernel
+from lightning_fuse.kernels import bias_act as bias_act_module
+from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
 
 SIZES = [(8192, 3072), (16384, 6400), (32768, 8192), (16384, 16384)]
@@ -108,20 +109,21 @@ def _shipped_variant(kernel, m, n):
     return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.loop_stages
 
 
-def _groups(per_sm, m, n, bm, bn, resident, sms):
-    """Programs along M: ``occ``/``occ2`` make exactly one/two full waves at the compiled kernel's
-    residency (never a partly filled last wave); a number asks for that many programs per
-    multiprocessor, rounded up."""
-    strips, row_tiles = -(-n // bn), -(-m // bm)
+def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, resident):
+    """The library's grid rule (kernels/_launch.py) for one variant: ``occ``/``occ2`` make exactly
+    one/two full waves at the compiled kernel's residency (never a partly filled last wave); a number
+    asks for that many programs per multiprocessor, rounded up."""
     if per_sm in ("occ", "occ2"):
-        return max(1, min(row_tiles, (sms * resident * (2 if per_sm == "occ2" else 1)) // strips))
-    return max(1, min(row_tiles, -(-(sms * per_sm) // strips)))
+        rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True)
+    else:
+        rule = LaunchRule(bm, bn, warps, stages, per_sm, False)
+    return dataclasses.replace(_pick_config(m, n, torch.device("cuda"), rule), max_registers=max_registers)
 
 
 def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 8), on_row=None, variants=None,
           kernel="dact_dbias_quantize"):
     """Times launch configurations of one pass (``SWEEP_KERNELS``): ``variants`` (by default
-    ``SWEEP_VARIANTS[kernel]``) x programs per multiprocessor (``_groups``). Checks every output of
+    ``SWEEP_VARIANTS[kernel]``) x programs per multiprocessor (``_sweep_config``). Checks every output of
     each, and returns the rows; ``on_row`` sees each row as it is made."""
     activation, fp8_code, with_dbias, fp8_dtype = SWEEP_KERNELS[kernel]
     grad = torch.randn(m, n, device="cuda", dtype=dtype) * (2 if kernel == "bias_act" else 1)
@@ -138,22 +140,16 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 8
         ref = unfused_dbias_quantize(grad.float(), scale, GRAD, amax.clone())
     else:
         ref = unfused_quantize(grad.float(), scale, FWD, amax.clone())
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = torch.empty(m, n, dtype=torch.uint8, device="cuda")
     out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")
     dbias = torch.empty(n, dtype=torch.float32, device="cuda")
 
     def launch(cfg):
-        if kernel != "bias_act":
-            return _launch(grad, pre, activation, scale, fp8_code, amax, True, with_dbias, True, cfg, out, out_t,
-                           dbias, False)
-        rows_per_group, groups = cfg.row_groups(m)
-        return _bias_act_kernel[(-(-n // cfg.block_n), groups)](
-            grad, grad, y, out, out_t, scale, amax, grad, grad.stride(0), grad.stride(1), y.stride(0), out.stride(0),
-            out_t.stride(0), 0, m, n, rows_per_group, ACTIVATION=activation, HAS_BIAS=False, STORE_PRE=False,
-            STORE_Y=True, FP8_FORMAT=fp8_code, TRANSPOSE=True, COMPUTE_AMAX=True,
-            ENCODER=fp8_encoder(grad), LOOP_STAGES=cfg.loop_stages or None, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+        if kernel == "bias_act":
+            return bias_act_module._launch(grad, None, activation, scale, fp8_code, amax, True, None, y, out, out_t,
+                                           cfg, False)
+        return _launch(grad, pre, activation, scale, fp8_code, amax, True, with_dbias, True, cfg, out, out_t, dbias,
+                       False)
 
     rows, seen = [], set()
     for (bm, bn, warps, stages, *cap), per_sm in itertools.product(variants or SWEEP_VARIANTS[kernel], per_sm_values):
@@ -163,7 +159,7 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 8
         try:
             compiled = launch(LaunchConfig(bm, bn, warps, 1, stages, max_registers))
             resident = _resident_per_sm(compiled, warps)
-            cfg = LaunchConfig(bm, bn, warps, _groups(per_sm, m, n, bm, bn, resident, sms), stages, max_registers)
+            cfg = _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, resident)
             key = (bm, bn, warps, stages, max_registers, cfg.row_groups(m))
             if key in seen:
                 continue

@@ -25,7 +25,7 @@ from torch.library import triton_op
 from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder,
                       launch_config, launcher, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
-from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_format, store_codes, store_packed_transpose
+from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
 
 __all__ = [
     "dact_dbias_quantize",
@@ -45,6 +45,36 @@ def _dx_rows(grad_ptr, pre_act_ptr, rows, offs_n, mask, stride_grad_m, stride_gr
                           mask=mask, other=0.0).to(tl.float32)
         dx = dx * act_derivative(pre_act, ACTIVATION)
     return dx
+
+
+@triton.jit
+def store_codes(out_ptr, out_t_ptr, rows, offs_n, mask, stride_out_m, stride_out_t_n, x, scale,
+                FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr, TRANSPOSE: tl.constexpr, PACK_T: tl.constexpr):
+    """Stores the FP8 codes of ``x * scale`` for one set of rows row-wise, and returns them (int32).
+    Without ``PACK_T`` it also stores them transposed, one byte per element."""
+    codes = fp8_codes(x * scale, FP8_FORMAT, ENCODER)
+    tl.store(out_ptr.to(tl.pointer_type(tl.uint8)) + rows[:, None] * stride_out_m + offs_n[None, :],
+             codes.to(tl.uint8), mask=mask)
+    if TRANSPOSE and not PACK_T:
+        tl.store(out_t_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_out_t_n + rows[None, :],
+                 tl.trans(codes).to(tl.uint8), mask=tl.trans(mask))
+    return codes
+
+
+@triton.jit
+def store_packed_transpose(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_out_t_n, c0, c1, c2, c3):
+    """The transposed copy of four interleaved row sets (rows ``m0 + 4 quarter + j`` hold codes ``cj``) as 32-bit
+    words: one word holds four consecutive rows of one column, which is four consecutive bytes of
+    the transposed copy's row. The bytes never move between threads one by one: the words are
+    packed where the codes are, and only they go through the layout conversion of ``tl.trans``.
+    Needs ``M % 4 == 0``. Word indices and their mask are written as ``m0 // 4 + quarter`` against
+    ``M // 4``, not from the rows: the compiler sees those as contiguous and stores four words per
+    instruction; from ``rows // 4`` it stored them one by one, 3.4 times slower (BENCHMARKS.md)."""
+    words = c0 | (c1 << 8) | (c2 << 16) | (c3 << 24)
+    word = m0 // 4 + quarter
+    mask = (word < M // 4)[None, :] & mask_n[:, None]
+    tl.store(out_t_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_out_t_n // 4) + word[None, :],
+             tl.trans(words), mask=mask)
 
 
 @triton.jit

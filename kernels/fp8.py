@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["FORMAT_DTYPES", "FP8Format", "FP8_FORMATS", "fp8_codes", "fp8_encode", "fp8_encode_ptx", "fp8_encode_ptx4", "fp8_format",
-           "quantize_reference", "store_codes", "store_packed_transpose"]
+           "quantize_reference"]
 
 
 @dataclass(frozen=True)
@@ -127,36 +127,6 @@ def fp8_codes(x, FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr):
         return fp8_encode_ptx(x, FP8_FORMAT)
     else:
         return fp8_encode(x, FP8_FORMAT)
-
-
-@triton.jit
-def store_codes(out_ptr, out_t_ptr, rows, offs_n, mask, stride_out_m, stride_out_t_n, x, scale,
-                FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr, TRANSPOSE: tl.constexpr, PACK_T: tl.constexpr):
-    """Stores the FP8 codes of ``x * scale`` for one set of rows row-wise, and returns them (int32).
-    Without ``PACK_T`` it also stores them transposed, one byte per element."""
-    codes = fp8_codes(x * scale, FP8_FORMAT, ENCODER)
-    tl.store(out_ptr.to(tl.pointer_type(tl.uint8)) + rows[:, None] * stride_out_m + offs_n[None, :],
-             codes.to(tl.uint8), mask=mask)
-    if TRANSPOSE and not PACK_T:
-        tl.store(out_t_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_out_t_n + rows[None, :],
-                 tl.trans(codes).to(tl.uint8), mask=tl.trans(mask))
-    return codes
-
-
-@triton.jit
-def store_packed_transpose(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_out_t_n, c0, c1, c2, c3):
-    """The transposed copy of four interleaved row sets (rows ``m0 + 4 quarter + j`` hold codes ``cj``) as 32-bit
-    words: one word holds four consecutive rows of one column, which is four consecutive bytes of
-    the transposed copy's row. The bytes never move between threads one by one: the words are
-    packed where the codes are, and only they go through the layout conversion of ``tl.trans``.
-    Needs ``M % 4 == 0``. Word indices and their mask are written as ``m0 // 4 + quarter`` against
-    ``M // 4``, not from the rows: the compiler sees those as contiguous and stores four words per
-    instruction; from ``rows // 4`` it stored them one by one, 3.4 times slower (BENCHMARKS.md)."""
-    words = c0 | (c1 << 8) | (c2 << 16) | (c3 << 24)
-    word = m0 // 4 + quarter
-    mask = (word < M // 4)[None, :] & mask_n[:, None]
-    tl.store(out_t_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_out_t_n // 4) + word[None, :],
-             tl.trans(words), mask=mask)
 
 
 @triton.jit

@@ -15,33 +15,34 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_isa.py"
 
 
-@pytest.mark.slow
-def test_fused_gelu_tanh_backward_stays_within_its_instruction_budget(tmp_path):
+@pytest.fixture(scope="module")
+def isa_rows(tmp_path_factory):
+    """kernel_isa.py's row for every pass, compiled once for the tests below."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "isa.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--only", "gelu_tanh", "--json", str(out)], env=env, check=True,
-                   capture_output=True, text=True, timeout=600)
-    rows = {row["kernel"]: row for row in json.loads(out.read_text())}
-    fused = rows["dact_dbias_quantize gelu_tanh"]
+    out = tmp_path_factory.mktemp("isa") / "isa.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--json", str(out)], env=env, check=True, capture_output=True,
+                   text=True, timeout=900)
+    return {row["kernel"]: row for row in json.loads(out.read_text())}
+
+
+@pytest.mark.slow
+def test_fused_gelu_tanh_backward_stays_within_its_instruction_budget(isa_rows):
+    fused = isa_rows["dact_dbias_quantize gelu_tanh"]
     # 30.6 SASS instructions per element with four interleaved row sets per tile (31.6 before them,
     # 40.6 before the constants were folded and the amax's NaN check became one instruction);
     # 3 programs of 4 warps per SM, the residency the launch rule's whole waves are sized for.
     assert fused["loop_sass_per_element"] <= 32
     assert fused["programs_per_sm"] >= 3
-    assert rows["bias_act gelu_tanh"]["loop_sass_per_element"] <= 31
+    assert isa_rows["bias_act gelu_tanh"]["loop_sass_per_element"] <= 31
 
 
 @pytest.mark.slow
-def test_the_packed_transposed_copy_is_stored_16_bytes_at_a_time(tmp_path):
+def test_the_packed_transposed_copy_is_stored_16_bytes_at_a_time(isa_rows):
     # The transposed copy is written as 32-bit words (four rows of one column). When the compiler
     # could not see that a thread's words are contiguous it stored them one by one, each warp
     # instruction writing a quarter of every 32-byte sector it touched, and every pass ran 2-3.4
     # times slower on the H200 (BENCHMARKS.md). Each thread's words must go out as 16-byte stores.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "isa.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--json", str(out)], env=env, check=True, capture_output=True,
-                   text=True, timeout=900)
-    packed = [row for row in json.loads(out.read_text()) if not row["kernel"].startswith("bias_act")]
+    packed = [row for name, row in isa_rows.items() if not name.startswith("bias_act")]
     assert len(packed) >= 6
     for row in packed:
         block_m, block_n = map(int, row["block"].split("x"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 
 import torch
@@ -32,9 +33,11 @@ from common import (
 )
 from lightning_fuse.kernels import (activation_derivative_reference, bias_act_reference, dact_dbias_quantize,
                                     dbias_quantize, quantize)
-from lightning_fuse.kernels import bias_act as bias_act_module
 from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
+
+# the module, not the function the package exports under the same name
+bias_act_module = importlib.import_module("lightning_fuse.kernels.bias_act")
 
 SIZES = [(8192, 3072), (16384, 6400), (32768, 8192), (16384, 16384)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,11 +94,9 @@ def _resident_per_sm(compiled, warps: int) -> int:
 # A fifth entry caps the registers per thread (``maxnreg``): with 128 the fused kernel's pipelined
 # loop compiles without spills to 4 programs per multiprocessor instead of 3 (kernel_isa.py).
 SWEEP_VARIANTS = {
-    "dact_dbias_quantize": [(64, 64, 4, 3), (64, 64, 4, 3, 128), (64, 64, 4, 2), (64, 64, 4, 0), (32, 64, 4, 0),
-                            (64, 64, 8, 0), (128, 64, 8, 0)],
-    "dbias_quantize": [(64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (128, 64, 8, 0), (32, 128, 4, 0),
-                       (64, 64, 4, 3)],
-    "quantize": [(64, 64, 4, 0), (128, 64, 8, 0), (128, 64, 4, 0), (32, 64, 4, 0), (64, 64, 8, 0)],
+    "dact_dbias_quantize": [(64, 64, 4, 3), (64, 64, 4, 3, 128), (64, 64, 4, 2), (64, 64, 4, 4), (32, 64, 4, 0)],
+    "dbias_quantize": [(64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (64, 64, 4, 3), (64, 64, 4, 2)],
+    "quantize": [(64, 64, 8, 0), (64, 64, 4, 0), (128, 64, 4, 0), (64, 64, 8, 2)],
     "bias_act": [(32, 64, 8, 0), (64, 64, 8, 0), (32, 64, 4, 0), (64, 64, 4, 0), (32, 128, 4, 0)],
 }
 # pass -> (activation id, FP8 code, bias gradient, FP8 dtype)
@@ -111,20 +112,24 @@ def _shipped_variant(kernel, m, n):
 
 def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, resident):
     """The library's grid rule (kernels/_launch.py) for one variant: ``occ``/``occ2`` make exactly
-    one/two full waves at the compiled kernel's residency (never a partly filled last wave); a number
-    asks for that many programs per multiprocessor, rounded up."""
+    one/two full waves at the compiled kernel's residency (never a partly filled last wave), ``fill``
+    the fewest whole waves filled to 85% (the shipped rule); a number asks for that many programs per
+    multiprocessor, rounded up."""
     if per_sm in ("occ", "occ2"):
-        rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True)
+        rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True, min_wave_fill=0)
+    elif per_sm == "fill":
+        rule = LaunchRule(bm, bn, warps, stages, resident, True)
     else:
         rule = LaunchRule(bm, bn, warps, stages, per_sm, False)
     return dataclasses.replace(_pick_config(m, n, torch.device("cuda"), rule), max_registers=max_registers)
 
 
-def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 8), on_row=None, variants=None,
-          kernel="dact_dbias_quantize"):
+def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", "fill", 8), on_row=None, variants=None,
+          kernel="dact_dbias_quantize", row_orders=(False,)):
     """Times launch configurations of one pass (``SWEEP_KERNELS``): ``variants`` (by default
-    ``SWEEP_VARIANTS[kernel]``) x programs per multiprocessor (``_sweep_config``). Checks every output of
-    each, and returns the rows; ``on_row`` sees each row as it is made."""
+    ``SWEEP_VARIANTS[kernel]``) x programs per multiprocessor (``_sweep_config``) x ``row_orders``
+    (``LaunchConfig.cyclic_rows``). Checks every output of each, and returns the rows; ``on_row`` sees
+    each row as it is made."""
     activation, fp8_code, with_dbias, fp8_dtype = SWEEP_KERNELS[kernel]
     grad = torch.randn(m, n, device="cuda", dtype=dtype) * (2 if kernel == "bias_act" else 1)
     pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2 if kernel == "dact_dbias_quantize" else None
@@ -152,15 +157,17 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", 8
                        False)
 
     rows, seen = [], set()
-    for (bm, bn, warps, stages, *cap), per_sm in itertools.product(variants or SWEEP_VARIANTS[kernel], per_sm_values):
+    for (bm, bn, warps, stages, *cap), per_sm, cyclic in itertools.product(variants or SWEEP_VARIANTS[kernel],
+                                                                           per_sm_values, row_orders):
         max_registers = cap[0] if cap else 0
         row = dict(kernel=kernel, M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages,
-                   max_registers=max_registers, per_sm=per_sm)
+                   max_registers=max_registers, per_sm=per_sm, cyclic=cyclic)
         try:
-            compiled = launch(LaunchConfig(bm, bn, warps, 1, stages, max_registers))
+            compiled = launch(LaunchConfig(bm, bn, warps, 1, stages, max_registers, cyclic_rows=cyclic))
             resident = _resident_per_sm(compiled, warps)
-            cfg = _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, resident)
-            key = (bm, bn, warps, stages, max_registers, cfg.row_groups(m))
+            cfg = dataclasses.replace(_sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, resident),
+                                      cyclic_rows=cyclic)
+            key = (bm, bn, warps, stages, max_registers, cyclic, cfg.row_groups(m))
             if key in seen:
                 continue
             seen.add(key)
@@ -263,6 +270,10 @@ def main():
                         help=f"the passes the sweep times, comma-separated: {', '.join(SWEEP_KERNELS)}")
     parser.add_argument("--sweep-grid-only", action="store_true",
                         help="sweep only the number of programs, with the shipped tiles and pipelining")
+    parser.add_argument("--sweep-grids", help="grids the sweep times, comma-separated (occ, occ2, fill or programs "
+                        "per multiprocessor); default occ,occ2,fill,8, with --sweep-grid-only occ,occ2,fill,2,4,8")
+    parser.add_argument("--sweep-cyclic", action="store_true",
+                        help="time every configuration with contiguous and with cyclic row tiles")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -271,10 +282,12 @@ def main():
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
     extra = {"copy_GBps": copy_gbps}
     if args.sweep:
-        columns = ["kernel", "M", "N", "block_m", "block_n", "warps", "stages", "max_registers", "per_sm", "regs",
-                   "resident", "groups",
+        columns = ["kernel", "M", "N", "block_m", "block_n", "warps", "stages", "max_registers", "per_sm", "cyclic",
+                   "regs", "resident", "groups",
                    "ms", "frac_copy", "ok"]
         sweep_rows = []
+        grids = args.sweep_grids or ("occ,occ2,fill,2,4,8" if args.sweep_grid_only else "occ,occ2,fill,8")
+        grids = [int(g) if g.isdigit() else g for g in grids.split(",")]
 
         def on_row(rows):  # written and printed row by row: a run cut off by its time limit keeps them
             rows[-1]["frac_copy"] = rows[-1].get("GBps", float("nan")) / copy_gbps
@@ -284,8 +297,8 @@ def main():
         for kernel in args.sweep_kernel.split(","):
             for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
                 variants = [_shipped_variant(kernel, m, n)] if args.sweep_grid_only else None
-                sweep_rows += sweep(m, n, on_row=on_row, kernel=kernel, variants=variants,
-                                    per_sm_values=("occ", "occ2", 2, 4, 8) if args.sweep_grid_only else ("occ", "occ2", 8))
+                sweep_rows += sweep(m, n, on_row=on_row, kernel=kernel, variants=variants, per_sm_values=grids,
+                                    row_orders=(False, True) if args.sweep_cyclic else (False,))
         print("fastest per pass and size:")
         best = {}
         for r in sweep_rows:

@@ -37,10 +37,11 @@ from lightning_fuse.kernels.dact_dbias_quantize import _dact_dbias_quantize_kern
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
-_DACT_ARGS = ["grad_ptr", "pre_act_ptr", "out_ptr", "out_t_ptr", "partial_ptr", "scale_ptr", "amax_ptr",
+_DACT_ARGS = ["grad_ptr", "pre_act_ptr", "out_ptr", "out_t_ptr", "partial_ptr", "dbias_ptr", "counter_ptr",
+              "scale_ptr", "amax_ptr",
               "stride_grad_m", "stride_grad_n", "stride_pre_m", "stride_pre_n", "stride_out_m", "stride_out_t_n",
               "M", "N", "rows_per_group"]
-_DACT_TYPES = ["*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*fp32"] + ["i32"] * 9
+_DACT_TYPES = ["*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*i32", "*fp32", "*fp32"] + ["i32"] * 9
 _BIAS_ACT_ARGS = ["h_ptr", "bias_ptr", "y_ptr", "q_ptr", "q_t_ptr", "scale_ptr", "amax_ptr", "pre_ptr",
                   "stride_h_m", "stride_h_n", "stride_y_m", "stride_q_m", "stride_q_t_n", "stride_pre_m",
                   "M", "N", "rows_per_group"]
@@ -50,8 +51,10 @@ _BIAS_ACT_TYPES = ["*bf16", "*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*
 def _dact_case(pass_name, activation, bytes_per_element):
     rule = LAUNCH_RULES[pass_name]
     constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
-                     TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize", COMPUTE_AMAX=True, ENCODER=1, PACK_T=True,
-                     LOOP_STAGES=rule.loop_stages or None, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
+                     TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize",
+                     FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True, ENCODER=1, PACK_T=True,
+                     LOOP_STAGES=rule.loop_stages or None, CYCLIC_ROWS=rule.cyclic_rows, BLOCK_M=rule.block_m,
+                     BLOCK_N=rule.block_n)
     return (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
             constants, rule.num_warps, bytes_per_element)
 
@@ -60,7 +63,7 @@ def _bias_act_case():
     rule = LAUNCH_RULES["bias_act"]
     constants = dict(ACTIVATION=2, HAS_BIAS=False, STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True,
                      COMPUTE_AMAX=True, ENCODER=1, LOOP_STAGES=rule.loop_stages or None,
-                     BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
+                     CYCLIC_ROWS=rule.cyclic_rows, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return _bias_act_kernel, _BIAS_ACT_ARGS, _BIAS_ACT_TYPES, {"stride_h_n": 1}, constants, rule.num_warps, 6
 
 

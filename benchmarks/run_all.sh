@@ -7,8 +7,9 @@
 # From the environment: TEST_FILES (test files under tests/ run on the GPU); limits in seconds
 # TESTS_S, OVERHEAD_S, KERNELS_S, MLP_S, E2E_S (fuse.convert=all), and, off by default (0 skips a
 # step), E2E_MLP_S (fuse.convert=mlp at E2E_MLP_DIMS, default 2048,4096), SWEEP_S (launch-configuration
-# sweep of SWEEP_KERNELS, default all four passes, at SWEEP_SIZES, default 16384x6400) and ABLATION_S
-# (kernel_ablation.py at SWEEP_SIZES). A step cut off by its limit keeps what it wrote so far.
+# sweep of SWEEP_KERNELS, default all four passes, at SWEEP_SIZES, default 16384x6400), ABLATION_S
+# (kernel_ablation.py at SWEEP_SIZES) and ISSUE_S (mlp_issue_time.py: is the MLP step host-bound).
+# A step cut off by its limit keeps what it wrote so far.
 set -u
 out="$(realpath -m "${1:-results}")"
 mkdir -p "$out"
@@ -32,9 +33,10 @@ step e2e_mlp "${E2E_MLP_S:-0}" python bench_e2e.py --dims "${E2E_MLP_DIMS:-2048,
 step sweep "${SWEEP_S:-0}" python bench_kernels.py --sweep --sweep-only --sweep-sizes "${SWEEP_SIZES:-16384x6400}" \
   --sweep-kernel "${SWEEP_KERNELS:-quantize,dbias_quantize,dact_dbias_quantize,bias_act}" --out "$out/sweep"
 step ablation "${ABLATION_S:-0}" python kernel_ablation.py --sizes "${SWEEP_SIZES:-16384x6400}" --out "$out/ablation"
+step issue "${ISSUE_S:-0}" python mlp_issue_time.py
 cat "$out/summary.txt"
 tail -n 3 "$out/gpu_tests.log" 2>/dev/null
-for name in overhead kernels mlp e2e e2e_mlp sweep ablation; do
+for name in overhead kernels mlp e2e e2e_mlp sweep ablation issue; do
   [ -f "$out/$name.log" ] && { echo "== $name"; grep -v -i "warn" "$out/$name.log" | tail -n 12; }
 done
 exit 0

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch.library import wrap_triton
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "LaunchRule",
     "launch_config",
     "launcher",
+    "row_loop",
     "ENCODERS",
     "fp8_encoder",
     "use_triton",
@@ -134,6 +137,11 @@ class LaunchConfig:
     groups: int  # programs along M; each walks ceil(M / groups) rows, tile by tile
     loop_stages: int = 0  # software-pipeline depth of the row loop (0: the compiler's choice)
     max_registers: int = 0  # per-thread register cap for the compiler (0: its choice); eager launches only
+    # Row tiles dealt to the groups in turn (group g takes tiles g, g + groups, ...) instead of one
+    # contiguous range per group, so programs running side by side write neighbouring bytes of each
+    # transposed row. A sweep knob: 3-4% faster at 8192x3072, 8-17% slower at 16384x16384
+    # (BENCHMARKS.md); the shipped rules keep contiguous ranges.
+    cyclic_rows: bool = False
 
     def row_groups(self, m: int) -> tuple[int, int]:
         """``(rows_per_group, groups)`` for ``m`` rows: whole tiles per group, no empty group."""
@@ -142,27 +150,49 @@ class LaunchConfig:
         return rows, -(-m // rows)
 
 
+@triton.jit
+def row_loop(pid_m, rows_per_group, M, BLOCK_M: tl.constexpr, CYCLIC_ROWS: tl.constexpr):
+    """``(start, end, step)`` of row group ``pid_m``'s tiles (``LaunchConfig.row_groups`` /
+    ``cyclic_rows``): one contiguous range, or every ``groups``-th tile from its own first one."""
+    if CYCLIC_ROWS:
+        return pid_m * BLOCK_M, M, tl.num_programs(1) * BLOCK_M
+    else:
+        return pid_m * rows_per_group, pid_m * rows_per_group + rows_per_group, BLOCK_M
+
+
 @dataclass(frozen=True)
 class LaunchRule:
-    """How one pass is launched on a GPU: its tiles, warps and loop pipelining, and how many
-    programs per multiprocessor the grid aims for, rounded down to whole waves or up."""
+    """How one pass is launched on a GPU: its tiles, warps and loop pipelining, and its grid.
+
+    With ``whole_waves`` the grid is the fewest whole waves (``programs_per_sm`` programs per
+    multiprocessor each: the compiled kernel's residency) whose programs fill at least
+    ``min_wave_fill`` of their slots; without, ``programs_per_sm`` programs per multiprocessor,
+    rounded up to whole row groups.
+    """
     block_m: int
     block_n: int
     num_warps: int
     loop_stages: int
     programs_per_sm: int
     whole_waves: bool
+    min_wave_fill: float = 0.85
+    cyclic_rows: bool = False
+
+
+_MAX_WAVES = 4
 
 
 # The fastest of the launch sweeps on an H200 (benchmarks/bench_kernels.py --sweep; BENCHMARKS.md).
 # The backward passes and the cast tile by four interleaved row sets (block_m / 4 rows each): these
-# tiles give each thread 16-byte loads of bf16 rows. Whole waves: the grid is a whole number of
-# waves at the compiled kernel's residency on an H200 (3, 5 and 5 programs per multiprocessor).
+# tiles give each thread 16-byte loads of bf16 rows. Whole waves at the compiled kernels' residency
+# on an H200 (3, 5, 5 and 6 programs per multiprocessor): one wave where its programs fill 85% of
+# the slots, else two (16384x6400 for the fused pass, N = 16384 for the others: 0.78 -> 0.83 of copy
+# for dbias_quantize at 16384x16384, where one wave of 2 row groups x 256 strips fills 78%).
 LAUNCH_RULES: dict[str, LaunchRule] = {
-    "dact_dbias_quantize": LaunchRule(64, 64, 4, 3, 6, True),
+    "dact_dbias_quantize": LaunchRule(64, 64, 4, 3, 3, True),
     "dbias_quantize": LaunchRule(64, 64, 4, 0, 5, True),
     "quantize": LaunchRule(64, 64, 8, 0, 5, True),
-    "bias_act": LaunchRule(32, 64, 8, 0, 8, False),
+    "bias_act": LaunchRule(32, 64, 8, 0, 6, True),
 }
 
 
@@ -197,8 +227,15 @@ def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule) -> Laun
     strips = -(-n // block_n)
     row_tiles = max(1, -(-m // block_m))
     slots = sms * programs_per_sm
-    groups = max(1, min(row_tiles, slots // strips if whole_waves else -(-slots // strips)))
+    if whole_waves:
+        for waves in range(1, _MAX_WAVES + 1):
+            groups = waves * slots // strips
+            if groups >= row_tiles or groups * strips >= rule.min_wave_fill * waves * slots:
+                break
+    else:
+        groups = -(-slots // strips)
+    groups = max(1, min(row_tiles, groups))
     # Even out the tiles per group so no program is left with an empty range.
     tiles_per_group = -(-row_tiles // groups)
     groups = -(-row_tiles // tiles_per_group)
-    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages)
+    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages, cyclic_rows=rule.cyclic_rows)

@@ -12,7 +12,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from ._launch import (LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder, launch_config,
-                      launcher, use_triton)
+                      launcher, row_loop, use_triton)
 from .activations import act_forward, activation_id, activation_reference
 from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
 
@@ -32,6 +32,7 @@ def _bias_act_kernel(
     COMPUTE_AMAX: tl.constexpr,
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
+    CYCLIC_ROWS: tl.constexpr,  # row tiles dealt to the row groups in turn (_launch.LaunchConfig.cyclic_rows)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -39,13 +40,13 @@ def _bias_act_kernel(
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    row_start = pid_m * rows_per_group
+    row_start, row_end, row_step = row_loop(pid_m, rows_per_group, M, BLOCK_M, CYCLIC_ROWS)
     amax_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if FP8_FORMAT != 0:
         scale = tl.load(scale_ptr)
-    for m0 in tl.range(row_start, row_start + rows_per_group, BLOCK_M, num_stages=LOOP_STAGES):
+    for m0 in tl.range(row_start, row_end, row_step, num_stages=LOOP_STAGES):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask = (offs_m < M)[:, None] & mask_n[None, :]
         h = tl.load(h_ptr + offs_m[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
@@ -96,8 +97,8 @@ def _launch(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, scal
         ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=pre_act_out is not None,
         STORE_Y=True, FP8_FORMAT=fp8_code,
         TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(h),
-        LOOP_STAGES=config.loop_stages or None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps,
+        LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
 
 

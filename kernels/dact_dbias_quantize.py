@@ -4,7 +4,8 @@ gradient, the bias gradient and the FP8 quantization of the result, row-wise and
 Bytes per element of ``[M, N]`` (bf16/fp16 inputs, FP8 outputs): read ``grad`` and ``pre_act``
 (2 + 2), write ``dx`` (1) and ``dx_t`` (1): 6 bytes, against 4 + 2 + 2 + 2 + ... for the PyTorch
 sequence ``gelu_backward -> sum -> amax -> scale/cast -> transpose``. The bias gradient adds
-``groups x N`` fp32 partials, a fraction of a percent at training sizes.
+``groups x N`` fp32 partials, a fraction of a percent at training sizes, which the last program of
+each column strip to finish sums in a fixed order (``_arrival_counters``).
 
 Also here: ``dbias_quantize`` (no activation term: the backward of a plain FP8 linear with bias),
 and the current-scaling variant, which takes two passes because the scale depends on this
@@ -23,7 +24,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder,
-                      launch_config, launcher, use_triton)
+                      launch_config, launcher, row_loop, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
 from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
 
@@ -79,7 +80,7 @@ def store_packed_transpose(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_out
 
 @triton.jit
 def _dact_dbias_quantize_kernel(
-    grad_ptr, pre_act_ptr, out_ptr, out_t_ptr, partial_ptr, scale_ptr, amax_ptr,
+    grad_ptr, pre_act_ptr, out_ptr, out_t_ptr, partial_ptr, dbias_ptr, counter_ptr, scale_ptr, amax_ptr,
     stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n, stride_out_m, stride_out_t_n,
     M, N, rows_per_group,
     ACTIVATION: tl.constexpr,  # 0: none (plain bias gradient / quantize), else activations.py's ids
@@ -88,9 +89,12 @@ def _dact_dbias_quantize_kernel(
     TRANSPOSE: tl.constexpr,
     PACK_T: tl.constexpr,  # M % 4 == 0: the transposed copy is written as 32-bit words (store_packed_transpose)
     COMPUTE_DBIAS: tl.constexpr,
+    FINISH_DBIAS: tl.constexpr,  # the last program of each column strip sums the partials (counter_ptr)
+    DBIAS_BF16: tl.constexpr,
     COMPUTE_AMAX: tl.constexpr,
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
+    CYCLIC_ROWS: tl.constexpr,  # row tiles dealt to the row groups in turn (_launch.LaunchConfig.cyclic_rows)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -102,13 +106,13 @@ def _dact_dbias_quantize_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     quarter = tl.arange(0, BLOCK_M // 4)
-    row_start = pid_m * rows_per_group
+    row_start, row_end, row_step = row_loop(pid_m, rows_per_group, M, BLOCK_M, CYCLIC_ROWS)
     # 2-D accumulators: one reduction at the end instead of a cross-warp reduction per tile.
     dbias_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
     amax_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
     if FP8_FORMAT != 0:
         scale = tl.load(scale_ptr)
-    for m0 in tl.range(row_start, row_start + rows_per_group, BLOCK_M, num_stages=LOOP_STAGES):
+    for m0 in tl.range(row_start, row_end, row_step, num_stages=LOOP_STAGES):
         r0 = m0 + 4 * quarter
         k0 = (r0 < M)[:, None] & mask_n[None, :]
         k1 = (r0 + 1 < M)[:, None] & mask_n[None, :]
@@ -147,18 +151,28 @@ def _dact_dbias_quantize_kernel(
                 tl.store(out_rows + (r0 + 3)[:, None] * stride_out_m, d3.to(out_ptr.dtype.element_ty), mask=k3)
     if COMPUTE_DBIAS:
         tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
+        if FINISH_DBIAS:
+            # Split-reduction semaphore: every thread's partial is stored before the program's one
+            # arrival (barrier, then a release at GPU scope); the program that arrives last acquires
+            # every other partial and sums them in group order, so the bits do not depend on which
+            # program that is. It resets the counter for the next launch.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:
+                tl.debug_barrier()
+                _sum_partials(partial_ptr, dbias_ptr, offs_n, mask_n, tl.num_programs(1), N, DBIAS_BF16)
+                tl.store(counter_ptr + pid_n, 0)
     if COMPUTE_AMAX:
         tl.atomic_max(amax_ptr, amax_finish(amax_acc))
 
 
 @triton.jit
-def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, OUT_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Fixed summation order over the row groups: the same bits on every run.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+def _sum_partials(partial_ptr, out_ptr, offs_n, mask_n, groups, N, OUT_BF16: tl.constexpr):
+    """Sums ``groups`` rows of fp32 partials in a fixed order (the same bits on every run) and stores
+    the result in ``out_ptr``'s dtype. The partials were written by other programs: loaded past L1."""
+    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     for g in range(0, groups):
-        acc += tl.load(partial_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+        acc += tl.load(partial_ptr + g * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
     if OUT_BF16:
         # Nearest-even by hand: the Triton interpreter's fp32 -> bf16 conversion truncates.
         bits = acc.to(tl.int32, bitcast=True)
@@ -166,6 +180,41 @@ def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, OUT_BF16: tl.constexpr
         tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + offs_n, rounded, mask=mask_n)
     else:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _sum_partials_kernel(partial_ptr, out_ptr, groups, N, OUT_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The bias gradient's second launch, where the pass cannot finish it (_arrival_counters).
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _sum_partials(partial_ptr, out_ptr, offs_n, offs_n < N, groups, N, OUT_BF16)
+
+
+# Arrival counters for the in-kernel bias-gradient sum, one int32 per column strip. The last program
+# of a strip resets its counter, so a buffer is zero again once a launch ends; launches that share a
+# buffer must therefore run one after another. Eager launches get one buffer per (device, stream).
+# Launches captured into CUDA graphs share one per device, zeroed outside the capture (a buffer
+# created inside one would only become zero when its graph replays); a capture before any eager
+# launch on the device takes the separate sum kernel instead.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers: a captured graph may still point at one
+
+
+def _arrival_counters(device: torch.device, strips: int) -> Optional[torch.Tensor]:
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" and not capturing else None
+    counters = _COUNTERS.get((device, stream))
+    if counters is not None and counters.numel() >= strips:
+        return counters
+    if capturing:
+        return None
+    size = max(4096, strips)
+    keys = [(device, stream)] + ([(device, None)] if stream is not None else [])
+    for key in keys:
+        if key not in _COUNTERS or _COUNTERS[key].numel() < strips:
+            if key in _COUNTERS:
+                _RETIRED.append(_COUNTERS[key])
+            _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTERS[(device, stream)]
 
 
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
@@ -176,21 +225,25 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
     m, n = grad.shape
     rows_per_group, groups = config.row_groups(m)
     partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else out
+    # torch.compile's graphs get the second launch: a module-level buffer has no place in them.
+    counters = _arrival_counters(grad.device, -(-n // config.block_n)) if compute_dbias and not traced else None
     stride_grad = grad.stride()
     stride_pre = pre_act.stride() if pre_act is not None else (0, 0)
     compiled = launcher(_dact_dbias_quantize_kernel, traced)[(-(-n // config.block_n), groups)](
         grad, pre_act if pre_act is not None else grad, out, out_t if transpose else out, partials,
+        dbias if compute_dbias else out, counters if counters is not None else partials,
         scale if scale is not None else grad, amax if amax is not None else grad,
         stride_grad[0], stride_grad[1], stride_pre[0], stride_pre[1],
         out.stride(0), out_t.stride(0) if transpose else 0,
         m, n, rows_per_group,
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
-        PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
-        LOOP_STAGES=config.loop_stages or None,
+        PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, FINISH_DBIAS=counters is not None,
+        DBIAS_BF16=compute_dbias and dbias.dtype == torch.bfloat16, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
+        LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         **({"maxnreg": config.max_registers} if config.max_registers and not traced else {}),
     )
-    if compute_dbias:
+    if compute_dbias and counters is None:
         block = 256 if grad.is_cuda else 32
         launcher(_sum_partials_kernel, traced)[(-(-n // block),)](
             partials, dbias, groups, n, OUT_BF16=dbias.dtype == torch.bfloat16, BLOCK_N=block)
@@ -242,10 +295,10 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
-    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int,
+    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int, cyclic_rows: bool,
     traced: bool, dbias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages)
+    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages, cyclic_rows=cyclic_rows)
     out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, config,
                              traced, dbias_dtype)
     # A registered op returns tensors: empty ones stand for the outputs not asked for.
@@ -309,7 +362,7 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
     if torch.compiler.is_compiling():
         out, out_t, dbias = _dact_dbias_quantize_op(g2, p2, act, scale, code, amax, transpose, compute_dbias,
                                                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups,
-                                                    cfg.loop_stages, True, dbias_dtype)
+                                                    cfg.loop_stages, cfg.cyclic_rows, True, dbias_dtype)
         out_t = out_t if transpose else None
         dbias = dbias if compute_dbias else None
     else:

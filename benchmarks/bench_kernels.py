@@ -110,7 +110,7 @@ def _shipped_variant(kernel, m, n):
     return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.loop_stages
 
 
-def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, resident):
+def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, resident):
     """The library's grid rule (kernels/_launch.py) for one variant: ``occ``/``occ2`` make exactly
     one/two full waves at the compiled kernel's residency (never a partly filled last wave), ``fill``
     the fewest whole waves filled to 85% (the shipped rule); a number asks for that many programs per
@@ -121,7 +121,8 @@ def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, resident):
         rule = LaunchRule(bm, bn, warps, stages, resident, True)
     else:
         rule = LaunchRule(bm, bn, warps, stages, per_sm, False)
-    return dataclasses.replace(_pick_config(m, n, torch.device("cuda"), rule), max_registers=max_registers)
+    return dataclasses.replace(_pick_config(m, n, torch.device("cuda"), rule), max_registers=max_registers,
+                               cyclic_rows=cyclic)
 
 
 def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", "fill", 8), on_row=None, variants=None,
@@ -165,8 +166,7 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", "
         try:
             compiled = launch(LaunchConfig(bm, bn, warps, 1, stages, max_registers, cyclic_rows=cyclic))
             resident = _resident_per_sm(compiled, warps)
-            cfg = dataclasses.replace(_sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, resident),
-                                      cyclic_rows=cyclic)
+            cfg = _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, resident)
             key = (bm, bn, warps, stages, max_registers, cyclic, cfg.row_groups(m))
             if key in seen:
                 continue

@@ -14,17 +14,15 @@ where the pass loses bandwidth.
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import torch
 
-from common import copy_bandwidth_gbps, environment, graph_ms, median_ms, print_table, write_results
+from common import (copy_bandwidth_gbps, environment, graph_ms, median_ms, print_table, separate_sum_launch,
+                    write_results)
 from lightning_fuse.kernels import bias_act
 from lightning_fuse.kernels._launch import launch_config
 from lightning_fuse.kernels.activations import activation_id
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
-
-dact_module = importlib.import_module("lightning_fuse.kernels.dact_dbias_quantize")
 
 GELU_TANH = activation_id("gelu_tanh")
 
@@ -46,15 +44,10 @@ def _buffers(m, n, dtype):
 
 
 def _second_sum_launch(fn):
-    """``fn`` with the bias gradient summed by the separate launch (no arrival counters), as under
-    ``torch.compile``: what summing it inside the pass saves."""
+    """``fn`` with the bias gradient summed by the pass's second launch (``separate_sum_launch``)."""
     def run():
-        saved = dact_module._arrival_counters
-        dact_module._arrival_counters = lambda device, strips: None
-        try:
+        with separate_sum_launch():
             return fn()
-        finally:
-            dact_module._arrival_counters = saved
     return run
 
 

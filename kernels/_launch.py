@@ -139,8 +139,8 @@ class LaunchConfig:
     max_registers: int = 0  # per-thread register cap for the compiler (0: its choice); eager launches only
     # Row tiles dealt to the groups in turn (group g takes tiles g, g + groups, ...) instead of one
     # contiguous range per group, so programs running side by side write neighbouring bytes of each
-    # transposed row. A sweep knob: 3-4% faster at 8192x3072, 8-17% slower at 16384x16384
-    # (BENCHMARKS.md); the shipped rules keep contiguous ranges.
+    # transposed row. A sweep knob for eager launches (like max_registers): 3-4% faster at 8192x3072,
+    # 8-17% slower at 16384x16384 (BENCHMARKS.md); the launch rules keep contiguous ranges.
     cyclic_rows: bool = False
 
     def row_groups(self, m: int) -> tuple[int, int]:
@@ -176,7 +176,6 @@ class LaunchRule:
     programs_per_sm: int
     whole_waves: bool
     min_wave_fill: float = 0.85
-    cyclic_rows: bool = False
 
 
 _MAX_WAVES = 4
@@ -238,4 +237,4 @@ def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule) -> Laun
     # Even out the tiles per group so no program is left with an empty range.
     tiles_per_group = -(-row_tiles // groups)
     groups = -(-row_tiles // tiles_per_group)
-    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages, cyclic_rows=rule.cyclic_rows)
+    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages)

@@ -227,6 +227,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
     partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else out
     # torch.compile's graphs get the second launch: a module-level buffer has no place in them.
     counters = _arrival_counters(grad.device, -(-n // config.block_n)) if compute_dbias and not traced else None
+    dbias_bf16 = compute_dbias and dbias.dtype == torch.bfloat16
     stride_grad = grad.stride()
     stride_pre = pre_act.stride() if pre_act is not None else (0, 0)
     compiled = launcher(_dact_dbias_quantize_kernel, traced)[(-(-n // config.block_n), groups)](
@@ -238,7 +239,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         m, n, rows_per_group,
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
         PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, FINISH_DBIAS=counters is not None,
-        DBIAS_BF16=compute_dbias and dbias.dtype == torch.bfloat16, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
+        DBIAS_BF16=dbias_bf16, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
         LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         **({"maxnreg": config.max_registers} if config.max_registers and not traced else {}),
@@ -246,7 +247,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
     if compute_dbias and counters is None:
         block = 256 if grad.is_cuda else 32
         launcher(_sum_partials_kernel, traced)[(-(-n // block),)](
-            partials, dbias, groups, n, OUT_BF16=dbias.dtype == torch.bfloat16, BLOCK_N=block)
+            partials, dbias, groups, n, OUT_BF16=dbias_bf16, BLOCK_N=block)
     return compiled
 
 
@@ -295,10 +296,10 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
-    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int, cyclic_rows: bool,
+    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int,
     traced: bool, dbias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages, cyclic_rows=cyclic_rows)
+    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages)
     out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, config,
                              traced, dbias_dtype)
     # A registered op returns tensors: empty ones stand for the outputs not asked for.
@@ -362,7 +363,7 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
     if torch.compiler.is_compiling():
         out, out_t, dbias = _dact_dbias_quantize_op(g2, p2, act, scale, code, amax, transpose, compute_dbias,
                                                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups,
-                                                    cfg.loop_stages, cfg.cyclic_rows, True, dbias_dtype)
+                                                    cfg.loop_stages, True, dbias_dtype)
         out_t = out_t if transpose else None
         dbias = dbias if compute_dbias else None
     else:

@@ -23,30 +23,14 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from common import environment, graph_ms, median_ms, print_table, write_results
+from common import environment, graph_ms, host_ms, median_ms, print_table, write_results
 from lightning_fuse import DelayedScaling, FuseConfig, fp8_autocast, fuse_
 from lightning_fuse.kernels import bias_act, dact_dbias_quantize, dbias_quantize, quantize
-
-
-def host_ms(fn, calls: int = 200, warmup: int = 1) -> float:
-    """CPU ms per call over a burst of ``calls`` issued without synchronizing (the GPU, if any, is
-    idle at the start and drained at the end)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    sync()
-    return elapsed / calls * 1e3
 
 
 def kernel_rows(m: int, n: int) -> list[dict]:

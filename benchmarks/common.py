@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import platform
+import time
 from datetime import date
 from pathlib import Path
 from typing import Callable
@@ -52,6 +53,21 @@ def separate_sum_launch():
         yield
     finally:
         module._arrival_counters = in_pass
+
+
+def host_ms(fn, calls: int = 200, warmup: int = 1) -> float:
+    """CPU ms per call over a burst of ``calls`` issued without synchronizing (the GPU, if any, is
+    idle at the start and drained at the end)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    sync()
+    return elapsed / calls * 1e3
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:

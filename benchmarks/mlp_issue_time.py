@@ -14,24 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import time
 
 import torch
 
 from bench_mlp import TOKENS, mlp, step_fn
-from common import environment, median_ms, separate_sum_launch
+from common import environment, host_ms, median_ms, separate_sum_launch
 from lightning_fuse import DelayedScaling, FuseConfig, fp8_autocast, fuse_
-
-
-def issue_ms(step, n=8):
-    """Host milliseconds to issue one step, from an idle GPU."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = (time.perf_counter() - start) / n * 1e3
-    torch.cuda.synchronize()
-    return host
 
 
 def main():
@@ -53,9 +41,9 @@ def main():
             for name, mode in (("in-pass dbias", contextlib.nullcontext), ("separate sum launch", separate_sum_launch)):
                 with mode():
                     ms = median_ms(ours_step)
-                    host = min(issue_ms(ours_step) for _ in range(3))
+                    host = min(host_ms(ours_step, calls=8, warmup=0) for _ in range(3))
                 print(f"d={d} rep {rep} ours {name:20s} step {ms:.3f} ms  cpu issue {host:.3f} ms", flush=True)
-            host = min(issue_ms(eager) for _ in range(3))
+            host = min(host_ms(eager, calls=8, warmup=0) for _ in range(3))
             print(f"d={d} rep {rep} bf16 eager step {median_ms(eager):.3f} ms  cpu issue {host:.3f} ms", flush=True)
 
 

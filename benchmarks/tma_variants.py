@@ -42,26 +42,29 @@ VARIANTS = [(0, 0, 0), (0, 0, 1), (0, 1, 1), (0, 2, 1), (1, 0, 0), (1, 0, 1), (1
 @triton.jit
 def _row_set(grad_ptr, pre_ptr, g_desc, p_desc, rows, j, m0, n0, offs_n, mask, stride_g, stride_p,
              ACTIVATION: tl.constexpr, TMA_LOAD: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr):
+    """``dx`` of row set ``j``: through the descriptors, or the shipped pass's pointer loads."""
     if TMA_LOAD:
         dx = g_desc.load([m0 // 4, j, n0]).reshape(BQ, BN).to(tl.float32)
+        if ACTIVATION != 0:
+            dx = dx * act_derivative(p_desc.load([m0 // 4, j, n0]).reshape(BQ, BN).to(tl.float32), ACTIVATION)
     else:
-        dx = tl.load(grad_ptr + rows[:, None] * stride_g + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION != 0:
-        if TMA_LOAD:
-            pre = p_desc.load([m0 // 4, j, n0]).reshape(BQ, BN).to(tl.float32)
-        else:
-            pre = tl.load(pre_ptr + rows[:, None] * stride_p + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        dx = dx * act_derivative(pre, ACTIVATION)
+        dx = ddq._dx_rows(grad_ptr, pre_ptr, rows, offs_n, mask, stride_g, 1, stride_p, 1, ACTIVATION)
     return dx
 
 
 @triton.jit
-def _store_row_set(out_ptr, o_desc, rows, j, m0, n0, offs_n, mask, stride_o, codes, TMA_ROW: tl.constexpr,
-                   BQ: tl.constexpr, BN: tl.constexpr):
-    if TMA_ROW == 1:
-        o_desc.store([m0 // 4, j, n0], codes.to(tl.uint8).reshape(BQ, 1, BN))
-    elif TMA_ROW == 0:
-        tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], codes.to(tl.uint8), mask=mask)
+def _store_row_set(out_ptr, o_desc, rows, j, m0, n0, offs_n, mask, stride_o, dx, scale, FP8_FORMAT: tl.constexpr,
+                   ENCODER: tl.constexpr, TMA_ROW: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr):
+    """The FP8 codes of row set ``j`` (int32), stored row-wise through the descriptor (``TMA_ROW`` 1),
+    by the shipped pass's pointer store (0), or not yet (2: the caller stores the whole tile)."""
+    if TMA_ROW == 0:
+        codes = ddq.store_codes(out_ptr, out_ptr, rows, offs_n, mask, stride_o, 0, dx, scale, FP8_FORMAT, ENCODER,
+                                False, True)
+    else:
+        codes = fp8_codes(dx * scale, FP8_FORMAT, ENCODER)
+        if TMA_ROW == 1:
+            o_desc.store([m0 // 4, j, n0], codes.to(tl.uint8).reshape(BQ, 1, BN))
+    return codes
 
 
 @triton.jit
@@ -69,11 +72,10 @@ def _tma_variant_kernel(grad_ptr, pre_ptr, out_ptr, out_t_ptr, g_desc, p_desc, o
                         partial_ptr, dbias_ptr, counter_ptr, scale_ptr, amax_ptr,
                         stride_g, stride_p, stride_o, stride_t, M, N, rows_per_group,
                         ACTIVATION: tl.constexpr, FP8_FORMAT: tl.constexpr, COMPUTE_DBIAS: tl.constexpr,
-                        ENCODER: tl.constexpr, TMA_LOAD: tl.constexpr,
-                        TMA_ROW: tl.constexpr, TMA_T: tl.constexpr, LOOP_STAGES: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The shipped pass (kernels/dact_dbias_quantize.py, transposed copy packed, amax on), with the
-    # loads and stores each taken through a descriptor or not.
+                        ENCODER: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_ROW: tl.constexpr, TMA_T: tl.constexpr,
+                        LOOP_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The shipped pass (kernels/dact_dbias_quantize.py, transposed copy packed, amax on), built from
+    # its helpers, with the loads and stores each taken through a descriptor or not.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n0 = pid_n * BLOCK_N
@@ -102,34 +104,25 @@ def _tma_variant_kernel(grad_ptr, pre_ptr, out_ptr, out_t_ptr, g_desc, p_desc, o
         if COMPUTE_DBIAS:
             dbias_acc += (d0 + d1) + (d2 + d3)
         amax_acc = amax_update(amax_update(amax_update(amax_update(amax_acc, d0), d1), d2), d3)
-        c0 = fp8_codes(d0 * scale, FP8_FORMAT, ENCODER)
-        c1 = fp8_codes(d1 * scale, FP8_FORMAT, ENCODER)
-        c2 = fp8_codes(d2 * scale, FP8_FORMAT, ENCODER)
-        c3 = fp8_codes(d3 * scale, FP8_FORMAT, ENCODER)
-        _store_row_set(out_ptr, o_desc, r0, 0, m0, n0, offs_n, k0, stride_o, c0, TMA_ROW, BQ, BLOCK_N)
-        _store_row_set(out_ptr, o_desc, r0 + 1, 1, m0, n0, offs_n, k1, stride_o, c1, TMA_ROW, BQ, BLOCK_N)
-        _store_row_set(out_ptr, o_desc, r0 + 2, 2, m0, n0, offs_n, k2, stride_o, c2, TMA_ROW, BQ, BLOCK_N)
-        _store_row_set(out_ptr, o_desc, r0 + 3, 3, m0, n0, offs_n, k3, stride_o, c3, TMA_ROW, BQ, BLOCK_N)
+        c0 = _store_row_set(out_ptr, o_desc, r0, 0, m0, n0, offs_n, k0, stride_o, d0, scale, FP8_FORMAT, ENCODER,
+                            TMA_ROW, BQ, BLOCK_N)
+        c1 = _store_row_set(out_ptr, o_desc, r0 + 1, 1, m0, n0, offs_n, k1, stride_o, d1, scale, FP8_FORMAT, ENCODER,
+                            TMA_ROW, BQ, BLOCK_N)
+        c2 = _store_row_set(out_ptr, o_desc, r0 + 2, 2, m0, n0, offs_n, k2, stride_o, d2, scale, FP8_FORMAT, ENCODER,
+                            TMA_ROW, BQ, BLOCK_N)
+        c3 = _store_row_set(out_ptr, o_desc, r0 + 3, 3, m0, n0, offs_n, k3, stride_o, d3, scale, FP8_FORMAT, ENCODER,
+                            TMA_ROW, BQ, BLOCK_N)
         if TMA_ROW == 2:
             # [BQ, BN, 2, 2] holding c(2a + b) at [i, n, a, b] -> rows m0 + 4 i + 2 a + b
             tile = tl.join(tl.join(c0, c2), tl.join(c1, c3))
             tile_desc.store([m0, n0], tl.permute(tile, (0, 2, 3, 1)).reshape(BLOCK_M, BLOCK_N).to(tl.uint8))
-        words = c0 | (c1 << 8) | (c2 << 16) | (c3 << 24)
         if TMA_T:
-            t_desc.store([n0, m0 // 4], tl.trans(words))
+            t_desc.store([n0, m0 // 4], tl.trans(c0 | (c1 << 8) | (c2 << 16) | (c3 << 24)))
         else:
-            word = m0 // 4 + quarter
-            mask = (word < M // 4)[None, :] & mask_n[:, None]
-            tl.store(out_t_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_t // 4) + word[None, :],
-                     tl.trans(words), mask=mask)
+            ddq.store_packed_transpose(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_t, c0, c1, c2, c3)
     if COMPUTE_DBIAS:
-        tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            tl.debug_barrier()
-            ddq._sum_partials(partial_ptr, dbias_ptr, offs_n, mask_n, tl.num_programs(1), N, False)
-            tl.store(counter_ptr + pid_n, 0)
+        ddq.store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, pid_m, pid_n, offs_n, mask_n,
+                                        N, True, False)
     tl.atomic_max(amax_ptr, amax_finish(amax_acc))
 
 

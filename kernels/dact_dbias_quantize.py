@@ -150,18 +150,8 @@ def _dact_dbias_quantize_kernel(
                 tl.store(out_rows + (r0 + 2)[:, None] * stride_out_m, d2.to(out_ptr.dtype.element_ty), mask=k2)
                 tl.store(out_rows + (r0 + 3)[:, None] * stride_out_m, d3.to(out_ptr.dtype.element_ty), mask=k3)
     if COMPUTE_DBIAS:
-        tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
-        if FINISH_DBIAS:
-            # Split-reduction semaphore: every thread's partial is stored before the program's one
-            # arrival (barrier, then a release at GPU scope); the program that arrives last acquires
-            # every other partial and sums them in group order, so the bits do not depend on which
-            # program that is. It resets the counter for the next launch.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(1) - 1:
-                tl.debug_barrier()
-                _sum_partials(partial_ptr, dbias_ptr, offs_n, mask_n, tl.num_programs(1), N, DBIAS_BF16)
-                tl.store(counter_ptr + pid_n, 0)
+        store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, pid_m, pid_n, offs_n, mask_n, N,
+                                    FINISH_DBIAS, DBIAS_BF16)
     if COMPUTE_AMAX:
         tl.atomic_max(amax_ptr, amax_finish(amax_acc))
 
@@ -180,6 +170,26 @@ def _sum_partials(partial_ptr, out_ptr, offs_n, mask_n, groups, N, OUT_BF16: tl.
         tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + offs_n, rounded, mask=mask_n)
     else:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, pid_m, pid_n, offs_n, mask_n, N,
+                                FINISH_DBIAS: tl.constexpr, DBIAS_BF16: tl.constexpr):
+    """Stores row group ``pid_m``'s fp32 partial of the bias gradient (``dbias_acc`` summed over its
+    rows). With ``FINISH_DBIAS`` the last program of column strip ``pid_n`` to arrive sums them all.
+
+    Split-reduction semaphore: every thread's partial is stored before the program's one arrival
+    (barrier, then a release at GPU scope); the program that arrives last acquires every other
+    partial and sums them in group order, so the bits do not depend on which program that is. It
+    resets the counter for the next launch."""
+    tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(dbias_acc, axis=0), mask=mask_n)
+    if FINISH_DBIAS:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            tl.debug_barrier()
+            _sum_partials(partial_ptr, dbias_ptr, offs_n, mask_n, tl.num_programs(1), N, DBIAS_BF16)
+            tl.store(counter_ptr + pid_n, 0)
 
 
 @triton.jit

@@ -140,7 +140,6 @@ def test_dbias_is_bitwise_deterministic():
         assert torch.equal(dact_dbias_quantize(grad, pre, "gelu_tanh")[2], first)
 
 
-
 @pytest.mark.parametrize("dbias_dtype", [torch.float32, torch.bfloat16])
 def test_bias_gradient_summed_in_the_pass_equals_the_separate_sum(monkeypatch, dbias_dtype):
     # The pass's last program per column strip sums the partials (an arrival counter per strip); where
@@ -156,6 +155,7 @@ def test_bias_gradient_summed_in_the_pass_equals_the_separate_sum(monkeypatch, d
     assert torch.equal(in_pass, separate)
     if dbias_dtype == torch.float32:
         _check_dbias(in_pass.cpu(), _reference(grad, pre, "silu").cpu())
+
 
 @pytest.mark.parametrize("dbias_dtype", [torch.bfloat16, torch.float16])
 def test_dbias_in_the_bias_dtype_is_the_fp32_sum_rounded_once(dbias_dtype):

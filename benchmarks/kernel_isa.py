@@ -48,8 +48,9 @@ _BIAS_ACT_ARGS = ["h_ptr", "bias_ptr", "y_ptr", "q_ptr", "q_t_ptr", "scale_ptr",
 _BIAS_ACT_TYPES = ["*bf16", "*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*bf16"] + ["i32"] * 9
 
 
-def _dact_case(pass_name, activation, bytes_per_element):
+def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
     rule = LAUNCH_RULES[pass_name]
+    rule = rule.alternative if alternative else rule
     constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
                      TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize",
                      FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True, ENCODER=1, PACK_T=True,
@@ -73,6 +74,7 @@ CASES = {
     "dact_dbias_quantize gelu": _dact_case("dact_dbias_quantize", 1, 6),
     "dact_dbias_quantize relu": _dact_case("dact_dbias_quantize", 3, 6),
     "dact_dbias_quantize silu": _dact_case("dact_dbias_quantize", 4, 6),
+    "dact_dbias_quantize gelu_tanh, 2-deep form": _dact_case("dact_dbias_quantize", 2, 6, alternative=True),
     "dbias_quantize": _dact_case("dbias_quantize", 0, 4),
     "quantize": _dact_case("quantize", 0, 4),
     "bias_act gelu_tanh": _bias_act_case(),

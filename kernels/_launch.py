@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -168,6 +169,10 @@ class LaunchRule:
     multiprocessor each: the compiled kernel's residency) whose programs fill at least
     ``min_wave_fill`` of their slots; without, ``programs_per_sm`` programs per multiprocessor,
     rounded up to whole row groups.
+
+    ``alternative``: another form of the pass (another pipelining depth, so another residency),
+    launched instead where this one's grid fills less than ``keep_fill`` of its waves' slots and the
+    alternative's fills more.
     """
     block_m: int
     block_n: int
@@ -176,6 +181,8 @@ class LaunchRule:
     programs_per_sm: int
     whole_waves: bool
     min_wave_fill: float = 0.85
+    alternative: Optional["LaunchRule"] = None
+    keep_fill: float = 0.0
 
 
 _MAX_WAVES = 4
@@ -187,8 +194,14 @@ _MAX_WAVES = 4
 # on an H200 (3, 5, 5 and 6 programs per multiprocessor): one wave where its programs fill 85% of
 # the slots, else two (16384x6400 for the fused pass, N = 16384 for the others: 0.78 -> 0.83 of copy
 # for dbias_quantize at 16384x16384, where one wave of 2 row groups x 256 strips fills 78%).
+# The fused pass has a second form: its loop pipelined two deep compiles to 126 registers, so 4
+# programs per multiprocessor instead of 3. Where the 3-deep form's waves leave more than a tenth of
+# the slots idle it is the faster (16384x6400: 5 row groups x 100 strips fill one wave to 95%, 0.175
+# against 0.184 ms two waves filled to 88%); where both fill, the 3-deep form is (1-2.5% at the other
+# three sizes of BENCHMARKS.md).
 LAUNCH_RULES: dict[str, LaunchRule] = {
-    "dact_dbias_quantize": LaunchRule(64, 64, 4, 3, 3, True),
+    "dact_dbias_quantize": LaunchRule(64, 64, 4, 3, 3, True, alternative=LaunchRule(64, 64, 4, 2, 4, True),
+                                      keep_fill=0.9),
     "dbias_quantize": LaunchRule(64, 64, 4, 0, 5, True),
     "quantize": LaunchRule(64, 64, 8, 0, 5, True),
     "bias_act": LaunchRule(32, 64, 8, 0, 6, True),
@@ -215,6 +228,16 @@ _CONFIGS: dict[tuple, LaunchConfig] = {}  # per shape: a launch costs tens of mi
 
 
 def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule) -> LaunchConfig:
+    config, fill = _config_and_fill(m, n, device, rule)
+    if rule.alternative is not None and fill < rule.keep_fill and device.type == "cuda":
+        other, other_fill = _config_and_fill(m, n, device, rule.alternative)
+        if other_fill > fill:
+            return other
+    return config
+
+
+def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> tuple[LaunchConfig, float]:
+    """The rule's configuration for ``(m, n)``, and the share of its waves' slots its programs fill."""
     block_m, block_n, num_warps = rule.block_m, rule.block_n, rule.num_warps
     programs_per_sm, loop_stages, whole_waves = rule.programs_per_sm, rule.loop_stages, rule.whole_waves
     if device.type != "cuda":
@@ -237,4 +260,6 @@ def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule) -> Laun
     # Even out the tiles per group so no program is left with an empty range.
     tiles_per_group = -(-row_tiles // groups)
     groups = -(-row_tiles // tiles_per_group)
-    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages)
+    programs = groups * strips
+    fill = programs / (-(-programs // slots) * slots)
+    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages), fill

@@ -38,6 +38,13 @@ def _poison(nbytes: int) -> None:
 def test_fused_kernel_at_training_sizes(dtype, fp8_dtype, activation, m, n):
     grad = torch.randn(m, n, device="cuda", dtype=dtype)
     pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
+    _check_fused_pass(grad, pre, activation, fp8_dtype)
+
+
+def _check_fused_pass(grad, pre, activation, fp8_dtype):
+    """Every output of the fused pass against float64: FP8 codes, every transposed element, bias
+    gradient, amax, SQNR."""
+    m, n = grad.shape
     dx64 = grad.double() * activation_derivative_reference(pre.double(), activation)
     # Half the format's range above the largest value: no saturation, so SQNR measures rounding.
     fmax = 57344.0 if fp8_dtype == E5M2 else 448.0
@@ -53,6 +60,21 @@ def test_fused_kernel_at_training_sizes(dtype, fp8_dtype, activation, m, n):
     assert ((dbias.double() - expected_db).norm() / expected_db.norm()).item() < 1e-5
     assert amax.item() == pytest.approx(dx64.abs().max().item(), rel=1e-5)
     assert sqnr_db(dx.double() / scale.double(), dx64) >= (25 if fp8_dtype == E5M2 else 30)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
+def test_fused_kernel_in_its_two_deep_form(activation):
+    # 16384 x 6400 on an H200 (132 multiprocessors) takes the launch rule's second form (loop
+    # pipelined two deep, 4 programs per multiprocessor): every output checked as above.
+    from lightning_fuse.kernels._launch import LAUNCH_RULES, launch_config
+
+    m, n = 16384, 6400
+    cfg = launch_config("dact_dbias_quantize", m, n, torch.device("cuda"))
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert cfg.loop_stages == LAUNCH_RULES["dact_dbias_quantize"].alternative.loop_stages
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
+    _check_fused_pass(grad, pre, activation, E5M2)
 
 
 @pytest.mark.parametrize("m,n", [(16384, 6400), (1, 4096), (333, 96)])

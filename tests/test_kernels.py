@@ -388,6 +388,8 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
     try:
         for name, rule in _launch.LAUNCH_RULES.items():
             cfg = _launch.launch_config(name, m, n, cuda)
+            if rule.alternative is not None and cfg.loop_stages == rule.alternative.loop_stages:
+                rule = rule.alternative
             rows, groups = cfg.row_groups(m)
             strips = -(-n // cfg.block_n)
             slots = 132 * rule.programs_per_sm
@@ -404,5 +406,26 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
                         assert (fewer * slots // strips) * strips < rule.min_wave_fill * fewer * slots
                 else:
                     assert groups * strips >= slots
+    finally:
+        _launch._CONFIGS.clear()
+
+
+@pytest.mark.parametrize("m,n,stages", [(16384, 6400, 2), (8192, 6400, 2), (8192, 3072, 3), (32768, 8192, 3),
+                                        (16384, 16384, 3), (100, 64, 3)])
+def test_fused_pass_takes_its_two_deep_form_where_the_three_deep_one_leaves_slots_idle(monkeypatch, m, n, stages):
+    # 132 multiprocessors: the 3-deep form (3 per multiprocessor) fills 88% of two waves at N = 6400
+    # (7 row groups x 100 strips on 792 slots), the 2-deep form (4 per multiprocessor) 95% of one
+    # (5 x 100 on 528); at the other sizes the 3-deep form fills 97% and is kept.
+    from lightning_fuse.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    _launch._CONFIGS.clear()
+    try:
+        rule = _launch.LAUNCH_RULES["dact_dbias_quantize"]
+        cfg = _launch.launch_config("dact_dbias_quantize", m, n, torch.device("cuda", 0))
+        assert cfg.loop_stages == stages
+        _, fill = _launch._config_and_fill(m, n, torch.device("cuda", 0), rule)
+        _, other_fill = _launch._config_and_fill(m, n, torch.device("cuda", 0), rule.alternative)
+        assert (stages == rule.alternative.loop_stages) == (fill < rule.keep_fill and other_fill > fill)
     finally:
         _launch._CONFIGS.clear()

@@ -157,6 +157,30 @@ def test_bias_gradient_summed_in_the_pass_equals_the_separate_sum(monkeypatch, d
         _check_dbias(in_pass.cpu(), _reference(grad, pre, "silu").cpu())
 
 
+@pytest.mark.parametrize("groups", [8, 9, 17])
+def test_bias_gradient_sum_over_many_row_groups(monkeypatch, groups):
+    # The partials are summed eight rows at a time (rows past the last add -0.0): across chunks and
+    # with a partial last chunk, in the pass and in the second launch alike, the same bits.
+    from lightning_fuse.kernels._launch import LaunchConfig
+
+    module = importlib.import_module("lightning_fuse.kernels.dact_dbias_quantize")
+    grad, pre = _inputs((200,), 40, torch.bfloat16, seed=9)
+    config = LaunchConfig(block_m=4, block_n=16, num_warps=1, groups=groups)
+    assert config.row_groups(200)[1] == groups
+
+    def bias_gradient():
+        dbias = torch.empty(40, dtype=torch.float32, device=DEVICE)
+        out = torch.empty(200, 40, dtype=torch.bfloat16, device=DEVICE)
+        module._launch(grad, pre, activation_id("gelu_tanh"), None, 0, None, False, True, True, config, out, None,
+                       dbias, False)
+        return dbias
+
+    in_pass = bias_gradient()
+    monkeypatch.setattr(module, "_arrival_counters", lambda device, strips: None)
+    assert torch.equal(bias_gradient(), in_pass)
+    _check_dbias(in_pass.cpu(), _reference(grad, pre, "gelu_tanh").cpu())
+
+
 @pytest.mark.parametrize("dbias_dtype", [torch.bfloat16, torch.float16])
 def test_dbias_in_the_bias_dtype_is_the_fp32_sum_rounded_once(dbias_dtype):
     grad, pre = _inputs((70,), 50, torch.bfloat16, seed=9)

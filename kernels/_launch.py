@@ -229,7 +229,7 @@ _CONFIGS: dict[tuple, LaunchConfig] = {}  # per shape: a launch costs tens of mi
 
 def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule) -> LaunchConfig:
     config, fill = _config_and_fill(m, n, device, rule)
-    if rule.alternative is not None and fill < rule.keep_fill and device.type == "cuda":
+    if rule.alternative is not None and fill < rule.keep_fill:
         other, other_fill = _config_and_fill(m, n, device, rule.alternative)
         if other_fill > fill:
             return other

@@ -166,19 +166,13 @@ def _partial_row(partial_ptr, g, groups, N, offs_n, mask_n):
 @triton.jit
 def _sum_partials(partial_ptr, out_ptr, offs_n, mask_n, groups, N, OUT_BF16: tl.constexpr):
     """Sums ``groups`` rows of fp32 partials in a fixed order (the same bits on every run) and stores
-    the result in ``out_ptr``'s dtype. Eight rows are loaded before any is added, so the sum waits
+    the result in ``out_ptr``'s dtype. The chunks of eight rows are unrolled, and the compiled code
+    issues a chunk's eight loads before its first add (``kernel_isa.py --dump``), so the sum waits
     on memory once per eight rows, not once per row; the additions keep the row order."""
     acc = tl.zeros(offs_n.shape, dtype=tl.float32)
     for g in range(0, groups, 8):
-        p0 = _partial_row(partial_ptr, g, groups, N, offs_n, mask_n)
-        p1 = _partial_row(partial_ptr, g + 1, groups, N, offs_n, mask_n)
-        p2 = _partial_row(partial_ptr, g + 2, groups, N, offs_n, mask_n)
-        p3 = _partial_row(partial_ptr, g + 3, groups, N, offs_n, mask_n)
-        p4 = _partial_row(partial_ptr, g + 4, groups, N, offs_n, mask_n)
-        p5 = _partial_row(partial_ptr, g + 5, groups, N, offs_n, mask_n)
-        p6 = _partial_row(partial_ptr, g + 6, groups, N, offs_n, mask_n)
-        p7 = _partial_row(partial_ptr, g + 7, groups, N, offs_n, mask_n)
-        acc = (((((((acc + p0) + p1) + p2) + p3) + p4) + p5) + p6) + p7
+        for i in tl.static_range(8):
+            acc += _partial_row(partial_ptr, g + i, groups, N, offs_n, mask_n)
     if OUT_BF16:
         # Nearest-even by hand: the Triton interpreter's fp32 -> bf16 conversion truncates.
         bits = acc.to(tl.int32, bitcast=True)

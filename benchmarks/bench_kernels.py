@@ -91,13 +91,17 @@ def _resident_per_sm(compiled, warps: int) -> int:
 
 # (block_m, block_n, warps, loop stages[, max registers]) per pass. Candidates chosen on the CPU with kernel_isa.py:
 # tiles whose row sets (block_m / 4 rows) give 16-byte loads, and the next smaller ones.
-# A fifth entry caps the registers per thread (``maxnreg``): with 128 the fused kernel's pipelined
-# loop compiles without spills to 4 programs per multiprocessor instead of 3 (kernel_isa.py).
+# A fifth entry caps the registers per thread (``maxnreg``, 0: no cap): with 128 the fused kernel's
+# pipelined loop compiles without spills to 4 programs per multiprocessor instead of 3 (kernel_isa.py).
+# A sixth, True, loads each tile's inputs one iteration ahead in registers (LaunchConfig.prefetch).
 SWEEP_VARIANTS = {
-    "dact_dbias_quantize": [(64, 64, 4, 3), (64, 64, 4, 3, 128), (64, 64, 4, 2), (64, 64, 4, 4), (32, 64, 4, 0)],
-    "dbias_quantize": [(64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (64, 64, 4, 3), (64, 64, 4, 2)],
-    "quantize": [(64, 64, 8, 0), (64, 64, 4, 0), (128, 64, 4, 0), (64, 64, 8, 2)],
-    "bias_act": [(32, 64, 8, 0), (64, 64, 8, 0), (32, 64, 4, 0), (64, 64, 4, 0), (32, 128, 4, 0)],
+    "dact_dbias_quantize": [(64, 64, 4, 0, 0, True), (64, 64, 4, 3), (64, 64, 4, 3, 128), (64, 64, 4, 2),
+                            (64, 64, 4, 4), (32, 64, 4, 0), (32, 64, 4, 0, 0, True)],
+    "dbias_quantize": [(64, 64, 4, 0, 0, True), (64, 64, 4, 0), (64, 64, 8, 0), (32, 64, 4, 0), (64, 64, 4, 3),
+                       (64, 64, 4, 2)],
+    "quantize": [(64, 64, 8, 0), (64, 64, 8, 0, 0, True), (64, 64, 4, 0), (128, 64, 4, 0), (64, 64, 8, 2)],
+    "bias_act": [(32, 64, 8, 0), (32, 64, 8, 0, 0, True), (64, 64, 8, 0), (32, 64, 4, 0), (64, 64, 4, 0),
+                 (32, 128, 4, 0)],
 }
 # pass -> (activation id, FP8 code, bias gradient, FP8 dtype)
 SWEEP_KERNELS = {"dact_dbias_quantize": (2, 2, True, GRAD), "dbias_quantize": (0, 2, True, GRAD),
@@ -105,22 +109,23 @@ SWEEP_KERNELS = {"dact_dbias_quantize": (2, 2, True, GRAD), "dbias_quantize": (0
 
 
 def _shipped_variant(kernel, m, n):
-    """(block_m, block_n, warps, loop stages) of the launch the library picks for ``kernel``."""
+    """(block_m, block_n, warps, loop stages, max registers, prefetch) of the launch the library picks."""
     cfg = launch_config(kernel, m, n, torch.device("cuda"))
-    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.loop_stages
+    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.loop_stages, cfg.max_registers, cfg.prefetch
 
 
-def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, resident):
+def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, resident, prefetch=False):
     """The library's grid rule (kernels/_launch.py) for one variant: ``occ``/``occ2`` make exactly
     one/two full waves at the compiled kernel's residency (never a partly filled last wave), ``fill``
     the fewest whole waves filled to 85% (the shipped rule); a number asks for that many programs per
     multiprocessor, rounded up."""
     if per_sm in ("occ", "occ2"):
-        rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True, min_wave_fill=0)
+        rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True, min_wave_fill=0,
+                          prefetch=prefetch)
     elif per_sm == "fill":
-        rule = LaunchRule(bm, bn, warps, stages, resident, True)
+        rule = LaunchRule(bm, bn, warps, stages, resident, True, prefetch=prefetch)
     else:
-        rule = LaunchRule(bm, bn, warps, stages, per_sm, False)
+        rule = LaunchRule(bm, bn, warps, stages, per_sm, False, prefetch=prefetch)
     return dataclasses.replace(_pick_config(m, n, torch.device("cuda"), rule), max_registers=max_registers,
                                cyclic_rows=cyclic)
 
@@ -161,13 +166,15 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", "
     for (bm, bn, warps, stages, *cap), per_sm, cyclic in itertools.product(variants or SWEEP_VARIANTS[kernel],
                                                                            per_sm_values, row_orders):
         max_registers = cap[0] if cap else 0
+        prefetch = bool(cap[1]) if len(cap) > 1 else False
         row = dict(kernel=kernel, M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages,
-                   max_registers=max_registers, per_sm=per_sm, cyclic=cyclic)
+                   max_registers=max_registers, prefetch=prefetch, per_sm=per_sm, cyclic=cyclic)
         try:
-            compiled = launch(LaunchConfig(bm, bn, warps, 1, stages, max_registers, cyclic_rows=cyclic))
+            compiled = launch(LaunchConfig(bm, bn, warps, 1, stages, max_registers, cyclic_rows=cyclic,
+                                           prefetch=prefetch))
             resident = _resident_per_sm(compiled, warps)
-            cfg = _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, resident)
-            key = (bm, bn, warps, stages, max_registers, cyclic, cfg.row_groups(m))
+            cfg = _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, resident, prefetch)
+            key = (bm, bn, warps, stages, max_registers, prefetch, cyclic, cfg.row_groups(m))
             if key in seen:
                 continue
             seen.add(key)

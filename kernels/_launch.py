@@ -143,6 +143,9 @@ class LaunchConfig:
     # transposed row. A sweep knob for eager launches (like max_registers): 3-4% faster at 8192x3072,
     # 8-17% slower at 16384x16384 (BENCHMARKS.md); the launch rules keep contiguous ranges.
     cyclic_rows: bool = False
+    # Each tile's inputs loaded one iteration ahead into registers (the loop carries them), so a
+    # program has two tiles' loads in flight without the shared-memory round trip of a pipelined loop.
+    prefetch: bool = False
 
     def row_groups(self, m: int) -> tuple[int, int]:
         """``(rows_per_group, groups)`` for ``m`` rows: whole tiles per group, no empty group."""
@@ -183,6 +186,7 @@ class LaunchRule:
     min_wave_fill: float = 0.85
     alternative: Optional["LaunchRule"] = None
     keep_fill: float = 0.0
+    prefetch: bool = False  # LaunchConfig.prefetch
 
 
 _MAX_WAVES = 4
@@ -191,20 +195,22 @@ _MAX_WAVES = 4
 # The fastest of the launch sweeps on an H200 (benchmarks/bench_kernels.py --sweep; BENCHMARKS.md).
 # The backward passes and the cast tile by four interleaved row sets (block_m / 4 rows each): these
 # tiles give each thread 16-byte loads of bf16 rows. Whole waves at the compiled kernels' residency
-# on an H200 (3, 5, 5 and 6 programs per multiprocessor): one wave where its programs fill 85% of
-# the slots, else two (16384x6400 for the fused pass, N = 16384 for the others: 0.78 -> 0.83 of copy
-# for dbias_quantize at 16384x16384, where one wave of 2 row groups x 256 strips fills 78%).
-# The fused pass has a second form: its loop pipelined two deep compiles to 126 registers, so 4
-# programs per multiprocessor instead of 3. Where the 3-deep form's waves leave more than a tenth of
-# the slots idle it is the faster (16384x6400: 5 row groups x 100 strips fill one wave to 95%, 0.175
-# against 0.184 ms two waves filled to 88%); where both fill, the 3-deep form is (1-2.5% at the other
-# three sizes of BENCHMARKS.md).
+# on an H200 (3, 4, 5 and 5 programs per multiprocessor): one wave where its programs fill 85% of
+# the slots, else two (N = 16384 for the cast: 0.81 -> 0.84 of copy at 16384x16384, where one wave
+# of 2 row groups x 256 strips fills 78%).
+# The two backward passes and the forward activation load each tile's inputs one iteration ahead
+# (``prefetch``): two tiles in flight per program, against one without (the bias gradient: 2-4%
+# faster at the two smaller sizes of BENCHMARKS.md; the activation 3-9% at four of five sizes) or
+# three through shared memory in the fused pass's pipelined loop (2.5-6% faster at the two largest). The fused pass has a second form, its loop pipelined two deep: 126 registers, so
+# 4 programs per multiprocessor instead of the prefetching form's 3. Where the first form's waves
+# leave more than a tenth of the slots idle it is the faster (16384x6400: 5 row groups x 100 strips
+# fill one wave to 95%, against two waves filled to 88%).
 LAUNCH_RULES: dict[str, LaunchRule] = {
-    "dact_dbias_quantize": LaunchRule(64, 64, 4, 3, 3, True, alternative=LaunchRule(64, 64, 4, 2, 4, True),
-                                      keep_fill=0.9),
-    "dbias_quantize": LaunchRule(64, 64, 4, 0, 5, True),
+    "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True,
+                                      alternative=LaunchRule(64, 64, 4, 2, 4, True), keep_fill=0.9),
+    "dbias_quantize": LaunchRule(64, 64, 4, 0, 4, True, prefetch=True),
     "quantize": LaunchRule(64, 64, 8, 0, 5, True),
-    "bias_act": LaunchRule(32, 64, 8, 0, 6, True),
+    "bias_act": LaunchRule(32, 64, 8, 0, 5, True, prefetch=True),
 }
 
 
@@ -262,4 +268,4 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     groups = -(-row_tiles // tiles_per_group)
     programs = groups * strips
     fill = programs / (-(-programs // slots) * slots)
-    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages), fill
+    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages, prefetch=rule.prefetch), fill

@@ -33,6 +33,7 @@ def _bias_act_kernel(
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
     CYCLIC_ROWS: tl.constexpr,  # row tiles dealt to the row groups in turn (_launch.LaunchConfig.cyclic_rows)
+    PREFETCH: tl.constexpr,  # each tile's input loaded one iteration ahead, in registers (LaunchConfig.prefetch)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -46,11 +47,22 @@ def _bias_act_kernel(
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if FP8_FORMAT != 0:
         scale = tl.load(scale_ptr)
+    if PREFETCH:
+        limit = tl.minimum(row_end, M)
+        offs_m = row_start + tl.arange(0, BLOCK_M)
+        h_next = tl.load(h_ptr + offs_m[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
+                         mask=(offs_m < limit)[:, None] & mask_n[None, :], other=0.0)
     for m0 in tl.range(row_start, row_end, row_step, num_stages=LOOP_STAGES):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask = (offs_m < M)[:, None] & mask_n[None, :]
-        h = tl.load(h_ptr + offs_m[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
-                    mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            h = h_next.to(tl.float32)
+            offs_next = offs_m + row_step
+            h_next = tl.load(h_ptr + offs_next[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
+                             mask=(offs_next < limit)[:, None] & mask_n[None, :], other=0.0)
+        else:
+            h = tl.load(h_ptr + offs_m[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
+                        mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             h += bias[None, :]
         if STORE_PRE:
@@ -97,7 +109,8 @@ def _launch(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, scal
         ACTIVATION=activation, HAS_BIAS=bias is not None, STORE_PRE=pre_act_out is not None,
         STORE_Y=True, FP8_FORMAT=fp8_code,
         TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(h),
-        LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, BLOCK_M=config.block_m,
+        LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch,
+        BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
 

@@ -36,6 +36,25 @@ __all__ = [
 ]
 
 @triton.jit
+def _load_rows(ptr, r0, offs_n, k0, k1, k2, k3, stride_m, stride_n):
+    """The four interleaved row sets of one tile (rows ``r0 + j`` under masks ``kj``, ``j = 0..3``) in the
+    input's dtype."""
+    base = ptr + offs_n[None, :] * stride_n
+    t0 = tl.load(base + r0[:, None] * stride_m, mask=k0, other=0.0)
+    t1 = tl.load(base + (r0 + 1)[:, None] * stride_m, mask=k1, other=0.0)
+    t2 = tl.load(base + (r0 + 2)[:, None] * stride_m, mask=k2, other=0.0)
+    t3 = tl.load(base + (r0 + 3)[:, None] * stride_m, mask=k3, other=0.0)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _row_masks(r0, limit, mask_n):
+    """The masks of rows ``r0 + j`` (``j = 0..3``) below ``limit`` and columns under ``mask_n``."""
+    return ((r0 < limit)[:, None] & mask_n[None, :], (r0 + 1 < limit)[:, None] & mask_n[None, :],
+            (r0 + 2 < limit)[:, None] & mask_n[None, :], (r0 + 3 < limit)[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _dx_rows(grad_ptr, pre_act_ptr, rows, offs_n, mask, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
              ACTIVATION: tl.constexpr):
     """``dx`` (fp32) of one set of rows: ``grad * act'(pre_act)``, or ``grad`` without an activation."""
@@ -46,6 +65,15 @@ def _dx_rows(grad_ptr, pre_act_ptr, rows, offs_n, mask, stride_grad_m, stride_gr
                           mask=mask, other=0.0).to(tl.float32)
         dx = dx * act_derivative(pre_act, ACTIVATION)
     return dx
+
+
+@triton.jit
+def _dx(grad, pre_act, ACTIVATION: tl.constexpr):
+    """``dx`` (fp32) of loaded rows: ``grad * act'(pre_act)``, or ``grad`` without an activation."""
+    if ACTIVATION != 0:
+        return grad.to(tl.float32) * act_derivative(pre_act.to(tl.float32), ACTIVATION)
+    else:
+        return grad.to(tl.float32)
 
 
 @triton.jit
@@ -95,6 +123,7 @@ def _dact_dbias_quantize_kernel(
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
     CYCLIC_ROWS: tl.constexpr,  # row tiles dealt to the row groups in turn (_launch.LaunchConfig.cyclic_rows)
+    PREFETCH: tl.constexpr,  # each tile's inputs loaded one iteration ahead, in registers (LaunchConfig.prefetch)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -112,20 +141,40 @@ def _dact_dbias_quantize_kernel(
     amax_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
     if FP8_FORMAT != 0:
         scale = tl.load(scale_ptr)
+    if PREFETCH:
+        # The first tile's inputs, rows past this group's masked off (as in every prefetch below).
+        limit = tl.minimum(row_end, M)
+        r0 = row_start + 4 * quarter
+        k0, k1, k2, k3 = _row_masks(r0, limit, mask_n)
+        g0, g1, g2, g3 = _load_rows(grad_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m, stride_grad_n)
+        if ACTIVATION != 0:
+            p0, p1, p2, p3 = _load_rows(pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_pre_m, stride_pre_n)
     for m0 in tl.range(row_start, row_end, row_step, num_stages=LOOP_STAGES):
         r0 = m0 + 4 * quarter
-        k0 = (r0 < M)[:, None] & mask_n[None, :]
-        k1 = (r0 + 1 < M)[:, None] & mask_n[None, :]
-        k2 = (r0 + 2 < M)[:, None] & mask_n[None, :]
-        k3 = (r0 + 3 < M)[:, None] & mask_n[None, :]
-        d0 = _dx_rows(grad_ptr, pre_act_ptr, r0, offs_n, k0, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
-                      ACTIVATION)
-        d1 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 1, offs_n, k1, stride_grad_m, stride_grad_n, stride_pre_m,
-                      stride_pre_n, ACTIVATION)
-        d2 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 2, offs_n, k2, stride_grad_m, stride_grad_n, stride_pre_m,
-                      stride_pre_n, ACTIVATION)
-        d3 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 3, offs_n, k3, stride_grad_m, stride_grad_n, stride_pre_m,
-                      stride_pre_n, ACTIVATION)
+        k0, k1, k2, k3 = _row_masks(r0, M, mask_n)
+        if PREFETCH:
+            # This tile's inputs were loaded last iteration; the next tile's are loaded before it is computed.
+            x0, x1, x2, x3 = g0, g1, g2, g3
+            y0, y1, y2, y3 = x0, x1, x2, x3  # stand-ins without an activation (not read)
+            n0 = r0 + row_step
+            q0, q1, q2, q3 = _row_masks(n0, limit, mask_n)
+            g0, g1, g2, g3 = _load_rows(grad_ptr, n0, offs_n, q0, q1, q2, q3, stride_grad_m, stride_grad_n)
+            if ACTIVATION != 0:
+                y0, y1, y2, y3 = p0, p1, p2, p3
+                p0, p1, p2, p3 = _load_rows(pre_act_ptr, n0, offs_n, q0, q1, q2, q3, stride_pre_m, stride_pre_n)
+            d0 = _dx(x0, y0, ACTIVATION)
+            d1 = _dx(x1, y1, ACTIVATION)
+            d2 = _dx(x2, y2, ACTIVATION)
+            d3 = _dx(x3, y3, ACTIVATION)
+        else:
+            d0 = _dx_rows(grad_ptr, pre_act_ptr, r0, offs_n, k0, stride_grad_m, stride_grad_n, stride_pre_m,
+                          stride_pre_n, ACTIVATION)
+            d1 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 1, offs_n, k1, stride_grad_m, stride_grad_n, stride_pre_m,
+                          stride_pre_n, ACTIVATION)
+            d2 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 2, offs_n, k2, stride_grad_m, stride_grad_n, stride_pre_m,
+                          stride_pre_n, ACTIVATION)
+            d3 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 3, offs_n, k3, stride_grad_m, stride_grad_n, stride_pre_m,
+                          stride_pre_n, ACTIVATION)
         if COMPUTE_DBIAS:
             dbias_acc += (d0 + d1) + (d2 + d3)
         if COMPUTE_AMAX:
@@ -260,7 +309,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
         PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, FINISH_DBIAS=counters is not None,
         DBIAS_BF16=dbias_bf16, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
-        LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows,
+        LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         **({"maxnreg": config.max_registers} if config.max_registers and not traced else {}),
     )
@@ -316,10 +365,10 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
-    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int,
+    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int, prefetch: bool,
     traced: bool, dbias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages)
+    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages, prefetch=prefetch)
     out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, config,
                              traced, dbias_dtype)
     # A registered op returns tensors: empty ones stand for the outputs not asked for.
@@ -383,7 +432,7 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
     if torch.compiler.is_compiling():
         out, out_t, dbias = _dact_dbias_quantize_op(g2, p2, act, scale, code, amax, transpose, compute_dbias,
                                                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups,
-                                                    cfg.loop_stages, True, dbias_dtype)
+                                                    cfg.loop_stages, cfg.prefetch, True, dbias_dtype)
         out_t = out_t if transpose else None
         dbias = dbias if compute_dbias else None
     else:

@@ -11,6 +11,7 @@ from helpers_models import Conv1D
 from fp8_checks import assert_fp8_close, sqnr_db
 from lightning_fuse import CurrentScaling, DelayedScaling, FP8Linear, FP8ScalingState, FusedLinearBiasActivation
 from lightning_fuse import fp8_autocast
+from lightning_fuse.kernels.activations import activation_id
 from lightning_fuse.kernels import (
     activation_derivative_reference,
     activation_reference,
@@ -75,6 +76,42 @@ def test_fused_kernel_in_its_two_deep_form(activation):
     grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
     _check_fused_pass(grad, pre, activation, E5M2)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", None])
+@pytest.mark.parametrize("m,n", [(8192, 3072), (4099, 1000)])
+def test_both_loop_forms_of_the_backward_passes_write_the_same_bytes(activation, m, n):
+    # Both backward passes prefetch each tile's inputs one iteration ahead where the launch rules say
+    # so; the loop without it (the fused pass's two-deep form, the sweep's variants) must write the
+    # same bytes, at the shipped tiles and grid.
+    import dataclasses
+
+    from lightning_fuse.kernels._launch import launch_config
+    from lightning_fuse.kernels.dact_dbias_quantize import _launch
+
+    name = "dact_dbias_quantize" if activation else "dbias_quantize"
+    shipped = launch_config(name, m, n, torch.device("cuda"))
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
+    act = activation_id(activation) if activation else 0
+    scale = torch.tensor(512.0, device="cuda")
+    results = []
+    for prefetch in (True, False):
+        out = torch.full((m, n), 255, dtype=torch.uint8, device="cuda")
+        out_t = torch.full((n, m), 255, dtype=torch.uint8, device="cuda")
+        dbias = torch.full((n,), float("nan"), device="cuda")
+        amax = torch.zeros(1, device="cuda")
+        _launch(grad, pre if act else None, act, scale, 2, amax, True, True, True,
+                dataclasses.replace(shipped, prefetch=prefetch), out, out_t, dbias, False)
+        results.append((out, out_t, dbias, amax))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    out, out_t, dbias, amax = results[0]
+    dx64 = grad.double() * (activation_derivative_reference(pre.double(), activation) if activation else 1)
+    assert_fp8_close(out.view(E5M2), quantize_reference(dx64, 512.0, E5M2))
+    assert torch.equal(out_t, out.t())
+    assert ((dbias.double() - dx64.sum(0)).norm() / dx64.sum(0).norm()).item() < 1e-5
+    assert amax.item() == pytest.approx(dx64.abs().max().item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("m,n", [(16384, 6400), (1, 4096), (333, 96)])

@@ -354,23 +354,36 @@ def test_eager_calls_launch_the_kernels_directly(monkeypatch):
     dict(block_m=16, block_n=32, num_warps=1, groups=2, max_registers=64),
     dict(block_m=16, block_n=32, num_warps=1, groups=3, cyclic_rows=True),
     dict(block_m=8, block_n=16, num_warps=1, groups=4, loop_stages=2, cyclic_rows=True),
+    dict(block_m=16, block_n=32, num_warps=1, groups=1, prefetch=True),
+    dict(block_m=16, block_n=32, num_warps=1, groups=3, prefetch=True),
+    dict(block_m=4, block_n=16, num_warps=1, groups=7, prefetch=True),
+    dict(block_m=32, block_n=16, num_warps=2, groups=3, loop_stages=2, prefetch=True),
+    dict(block_m=8, block_n=16, num_warps=1, groups=4, cyclic_rows=True, prefetch=True),
 ])
-def test_every_launch_configuration_gives_the_same_bits(config):
-    # The benchmark sweeps these knobs; each must only change speed, never a single output bit.
+@pytest.mark.parametrize("activation", ["gelu_tanh", None])
+def test_every_launch_configuration_gives_the_same_bits(config, activation):
+    # The benchmark sweeps these knobs; each must only change speed, never a single output bit. The
+    # library's own launches prefetch in both backward passes; these cover both loop forms, with
+    # row groups (83 rows: a partial last tile) that end inside and at the end of the rows.
     from lightning_fuse.kernels._launch import LaunchConfig
     from lightning_fuse.kernels.dact_dbias_quantize import _launch
 
     grad, pre = _inputs((83,), 72, torch.bfloat16)
     scale, fp8_dtype = torch.tensor(64.0, device=DEVICE), torch.float8_e5m2
-    expected = dact_dbias_quantize(grad, pre, "gelu_tanh", scale=scale, fp8_dtype=fp8_dtype, transpose=True)
+    if activation is None:
+        expected = dbias_quantize(grad, scale=scale, fp8_dtype=fp8_dtype, transpose=True)
+        dx64 = grad.double()
+    else:
+        expected = dact_dbias_quantize(grad, pre, activation, scale=scale, fp8_dtype=fp8_dtype, transpose=True)
+        dx64 = _reference(grad, pre, activation)
     out = torch.empty(83, 72, dtype=fp8_dtype, device=DEVICE)
     out_t = torch.empty(72, 83, dtype=fp8_dtype, device=DEVICE)
     dbias = torch.empty(72, dtype=torch.float32, device=DEVICE)
     amax = torch.zeros(1, device=DEVICE)
-    _launch(grad, pre, 2, scale, 2, amax, True, True, True, LaunchConfig(**config), out, out_t, dbias, False)
+    _launch(grad, pre if activation else None, activation_id(activation) if activation else 0, scale, 2, amax, True,
+            True, True, LaunchConfig(**config), out, out_t, dbias, False)
     assert torch.equal(out.view(torch.uint8), expected[0].view(torch.uint8))
     assert torch.equal(out_t.view(torch.uint8), expected[1].view(torch.uint8))
-    dx64 = _reference(grad, pre, "gelu_tanh")
     _check_dbias(dbias.cpu(), dx64.cpu())
     assert amax.item() == pytest.approx(dx64.abs().max().item(), rel=1e-5)
 
@@ -380,6 +393,8 @@ def test_every_launch_configuration_gives_the_same_bits(config):
     dict(block_m=16, block_n=32, num_warps=1, groups=3),
     dict(block_m=8, block_n=16, num_warps=2, groups=5, cyclic_rows=True),
     dict(block_m=16, block_n=32, num_warps=1, groups=2, loop_stages=2, cyclic_rows=True),
+    dict(block_m=16, block_n=32, num_warps=1, groups=3, prefetch=True),
+    dict(block_m=8, block_n=16, num_warps=2, groups=5, cyclic_rows=True, prefetch=True),
 ])
 def test_every_bias_act_launch_configuration_gives_the_same_bits(config):
     from lightning_fuse.kernels._launch import LaunchConfig
@@ -434,12 +449,12 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
         _launch._CONFIGS.clear()
 
 
-@pytest.mark.parametrize("m,n,stages", [(16384, 6400, 2), (8192, 6400, 2), (8192, 3072, 3), (32768, 8192, 3),
-                                        (16384, 16384, 3), (100, 64, 3)])
-def test_fused_pass_takes_its_two_deep_form_where_the_three_deep_one_leaves_slots_idle(monkeypatch, m, n, stages):
-    # 132 multiprocessors: the 3-deep form (3 per multiprocessor) fills 88% of two waves at N = 6400
-    # (7 row groups x 100 strips on 792 slots), the 2-deep form (4 per multiprocessor) 95% of one
-    # (5 x 100 on 528); at the other sizes the 3-deep form fills 97% and is kept.
+@pytest.mark.parametrize("m,n,two_deep", [(16384, 6400, True), (8192, 6400, True), (8192, 3072, False),
+                                          (32768, 8192, False), (16384, 16384, False), (100, 64, False)])
+def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slots_idle(monkeypatch, m, n, two_deep):
+    # 132 multiprocessors: the prefetching form (3 per multiprocessor) fills 88% of two waves at
+    # N = 6400 (7 row groups x 100 strips on 792 slots), the 2-deep form (4 per multiprocessor) 95% of
+    # one (5 x 100 on 528); at the other sizes the prefetching form fills 97% and is kept.
     from lightning_fuse.kernels import _launch
 
     monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
@@ -447,9 +462,9 @@ def test_fused_pass_takes_its_two_deep_form_where_the_three_deep_one_leaves_slot
     try:
         rule = _launch.LAUNCH_RULES["dact_dbias_quantize"]
         cfg = _launch.launch_config("dact_dbias_quantize", m, n, torch.device("cuda", 0))
-        assert cfg.loop_stages == stages
+        assert (cfg.loop_stages, cfg.prefetch) == ((2, False) if two_deep else (0, True))
         _, fill = _launch._config_and_fill(m, n, torch.device("cuda", 0), rule)
         _, other_fill = _launch._config_and_fill(m, n, torch.device("cuda", 0), rule.alternative)
-        assert (stages == rule.alternative.loop_stages) == (fill < rule.keep_fill and other_fill > fill)
+        assert two_deep == (fill < rule.keep_fill and other_fill > fill)
     finally:
         _launch._CONFIGS.clear()

@@ -201,10 +201,12 @@ _MAX_WAVES = 4
 # The two backward passes and the forward activation load each tile's inputs one iteration ahead
 # (``prefetch``): two tiles in flight per program, against one without (the bias gradient: 2-4%
 # faster at the two smaller sizes of BENCHMARKS.md; the activation 3-9% at four of five sizes) or
-# three through shared memory in the fused pass's pipelined loop (2.5-6% faster at the two largest). The fused pass has a second form, its loop pipelined two deep: 126 registers, so
-# 4 programs per multiprocessor instead of the prefetching form's 3. Where the first form's waves
-# leave more than a tenth of the slots idle it is the faster (16384x6400: 5 row groups x 100 strips
-# fill one wave to 95%, against two waves filled to 88%).
+# three through shared memory in the fused pass's pipelined loop (2.5-6% faster at the two largest
+# sizes). The cast keeps its loop: prefetching costs it a program per multiprocessor (4 of 5) and
+# 2-3% at the three larger sizes. The fused pass has a second form, its loop pipelined two deep:
+# 126 registers, so 4 programs per multiprocessor instead of the prefetching form's 3. Where the
+# prefetching form's waves leave more than a tenth of the slots idle the two-deep form is the faster
+# (16384x6400: 5 row groups x 100 strips fill one wave to 95%, against two waves filled to 88%).
 LAUNCH_RULES: dict[str, LaunchRule] = {
     "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True,
                                       alternative=LaunchRule(64, 64, 4, 2, 4, True), keep_fill=0.9),

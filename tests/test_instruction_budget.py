@@ -28,13 +28,15 @@ def isa_rows(tmp_path_factory):
 @pytest.mark.slow
 def test_fused_gelu_tanh_backward_stays_within_its_instruction_budget(isa_rows):
     fused = isa_rows["dact_dbias_quantize gelu_tanh"]
-    # 26.8 SASS instructions per element with the sigmoid's reciprocal one instruction (30.8 before
-    # it, 31.6 before the four interleaved row sets per tile, 40.6 before the constants were folded
-    # and the amax's NaN check became one instruction); 3 programs of 4 warps per SM, the residency
-    # the launch rule's whole waves are sized for.
+    # 25.2 SASS instructions per element in the prefetching loop (26.8 in the 3-deep pipelined one,
+    # 30.8 before the sigmoid's reciprocal was one instruction, 31.6 before the four interleaved row
+    # sets per tile, 40.6 before the constants were folded and the amax's NaN check became one
+    # instruction); 3 programs of 4 warps per SM, the residency the launch rule's whole waves are
+    # sized for, and 5 for the forward activation.
     assert fused["loop_sass_per_element"] <= 28
     assert fused["programs_per_sm"] >= 3
     assert isa_rows["bias_act gelu_tanh"]["loop_sass_per_element"] <= 27
+    assert isa_rows["bias_act gelu_tanh"]["programs_per_sm"] >= 5
     # The launch rule's second form (kernels/_launch.py) is only worth launching at 4 programs per SM.
     two_deep = isa_rows["dact_dbias_quantize gelu_tanh, 2-deep form"]
     assert two_deep["loop_sass_per_element"] <= 28

@@ -9,7 +9,10 @@ A variant is ``(tma_load, tma_row, tma_t)``:
   as the whole ``block_m x block_n`` tile reassembled from the four row sets (2);
 - ``tma_t``: the transposed copy's packed 32-bit words stored through a 2-D descriptor.
 
-Each variant runs at the library's grid and at the fewest whole waves for its own residency.
+Each variant runs at the library's grid and at the fewest whole waves for its own residency. The
+variants' row loop does not prefetch (``LaunchConfig.prefetch``) and pipelines only as deep as the
+shipped launch asks (``loop_stages``; 0 for the prefetching passes): against the prefetching passes
+they also measure the prefetch. The table in BENCHMARKS.md was taken before it.
 Needs ``M % 16 == 0`` and ``N % 16 == 0`` (descriptor strides are 16-byte multiples).
 
     python benchmarks/tma_variants.py --out results/tma

@@ -167,6 +167,9 @@ def _dact_dbias_quantize_kernel(
             d2 = _dx(x2, y2, ACTIVATION)
             d3 = _dx(x3, y3, ACTIVATION)
         else:
+            # Row set by row set, each grad load beside its pre_act load: in this order the two-deep
+            # pipelined form compiles to 126 registers (4 programs per multiprocessor); with every grad
+            # row set loaded first, to 152-154 (3).
             d0 = _dx_rows(grad_ptr, pre_act_ptr, r0, offs_n, k0, stride_grad_m, stride_grad_n, stride_pre_m,
                           stride_pre_n, ACTIVATION)
             d1 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 1, offs_n, k1, stride_grad_m, stride_grad_n, stride_pre_m,

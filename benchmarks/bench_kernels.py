@@ -120,14 +120,13 @@ def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, re
     the fewest whole waves filled to 85% (the shipped rule); a number asks for that many programs per
     multiprocessor, rounded up."""
     if per_sm in ("occ", "occ2"):
-        rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True, min_wave_fill=0,
-                          prefetch=prefetch)
+        rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True, min_wave_fill=0)
     elif per_sm == "fill":
-        rule = LaunchRule(bm, bn, warps, stages, resident, True, prefetch=prefetch)
+        rule = LaunchRule(bm, bn, warps, stages, resident, True)
     else:
-        rule = LaunchRule(bm, bn, warps, stages, per_sm, False, prefetch=prefetch)
+        rule = LaunchRule(bm, bn, warps, stages, per_sm, False)
     return dataclasses.replace(_pick_config(m, n, torch.device("cuda"), rule), max_registers=max_registers,
-                               cyclic_rows=cyclic)
+                               cyclic_rows=cyclic, prefetch=prefetch)
 
 
 def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", "fill", 8), on_row=None, variants=None,

@@ -173,7 +173,7 @@ class LaunchRule:
     ``min_wave_fill`` of their slots; without, ``programs_per_sm`` programs per multiprocessor,
     rounded up to whole row groups.
 
-    ``alternative``: another form of the pass (another pipelining depth, so another residency),
+    ``alternative``: another form of the pass (another loop form, so another residency),
     launched instead where this one's grid fills less than ``keep_fill`` of its waves' slots and the
     alternative's fills more.
     """

@@ -47,22 +47,23 @@ def _bias_act_kernel(
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if FP8_FORMAT != 0:
         scale = tl.load(scale_ptr)
+    h_cols = h_ptr + offs_n[None, :] * stride_h_n
     if PREFETCH:
+        # Each tile's input is loaded one iteration ahead; rows past this group's are masked off.
         limit = tl.minimum(row_end, M)
         offs_m = row_start + tl.arange(0, BLOCK_M)
-        h_next = tl.load(h_ptr + offs_m[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
-                         mask=(offs_m < limit)[:, None] & mask_n[None, :], other=0.0)
+        h_next = tl.load(h_cols + offs_m[:, None] * stride_h_m, mask=(offs_m < limit)[:, None] & mask_n[None, :],
+                         other=0.0)
     for m0 in tl.range(row_start, row_end, row_step, num_stages=LOOP_STAGES):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask = (offs_m < M)[:, None] & mask_n[None, :]
         if PREFETCH:
             h = h_next.to(tl.float32)
             offs_next = offs_m + row_step
-            h_next = tl.load(h_ptr + offs_next[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
+            h_next = tl.load(h_cols + offs_next[:, None] * stride_h_m,
                              mask=(offs_next < limit)[:, None] & mask_n[None, :], other=0.0)
         else:
-            h = tl.load(h_ptr + offs_m[:, None] * stride_h_m + offs_n[None, :] * stride_h_n,
-                        mask=mask, other=0.0).to(tl.float32)
+            h = tl.load(h_cols + offs_m[:, None] * stride_h_m, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             h += bias[None, :]
         if STORE_PRE:

@@ -55,25 +55,25 @@ def _row_masks(r0, limit, mask_n):
 
 
 @triton.jit
-def _dx_rows(grad_ptr, pre_act_ptr, rows, offs_n, mask, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
-             ACTIVATION: tl.constexpr):
-    """``dx`` (fp32) of one set of rows: ``grad * act'(pre_act)``, or ``grad`` without an activation."""
-    dx = tl.load(grad_ptr + rows[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
-                 mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION != 0:
-        pre_act = tl.load(pre_act_ptr + rows[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
-                          mask=mask, other=0.0).to(tl.float32)
-        dx = dx * act_derivative(pre_act, ACTIVATION)
-    return dx
-
-
-@triton.jit
 def _dx(grad, pre_act, ACTIVATION: tl.constexpr):
     """``dx`` (fp32) of loaded rows: ``grad * act'(pre_act)``, or ``grad`` without an activation."""
     if ACTIVATION != 0:
         return grad.to(tl.float32) * act_derivative(pre_act.to(tl.float32), ACTIVATION)
     else:
         return grad.to(tl.float32)
+
+
+@triton.jit
+def _dx_rows(grad_ptr, pre_act_ptr, rows, offs_n, mask, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
+             ACTIVATION: tl.constexpr):
+    """``dx`` (fp32) of one set of rows, loaded here (``_dx``)."""
+    grad = tl.load(grad_ptr + rows[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
+                   mask=mask, other=0.0).to(tl.float32)
+    pre_act = grad  # not read without an activation
+    if ACTIVATION != 0:
+        pre_act = tl.load(pre_act_ptr + rows[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
+                          mask=mask, other=0.0).to(tl.float32)
+    return _dx(grad, pre_act, ACTIVATION)
 
 
 @triton.jit

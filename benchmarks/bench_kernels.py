@@ -26,6 +26,7 @@ from common import (
     environment,
     median_ms,
     print_table,
+    separate_sum_launch,
     unfused_dact_dbias_quantize,
     unfused_dbias_quantize,
     unfused_quantize,
@@ -118,7 +119,11 @@ def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, re
     """The library's grid rule (kernels/_launch.py) for one variant: ``occ``/``occ2`` make exactly
     one/two full waves at the compiled kernel's residency (never a partly filled last wave), ``fill``
     the fewest whole waves filled to 85% (the shipped rule); a number asks for that many programs per
-    multiprocessor, rounded up."""
+    multiprocessor, rounded up; ``tK`` gives every program ``K`` row tiles (``t1``: one tile per
+    program), as many programs as that takes."""
+    if isinstance(per_sm, str) and per_sm.startswith("t"):
+        groups = -(-max(1, -(-m // bm)) // int(per_sm[1:]))
+        return LaunchConfig(bm, bn, warps, groups, stages, max_registers, cyclic_rows=cyclic, prefetch=prefetch)
     if per_sm in ("occ", "occ2"):
         rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True, min_wave_fill=0)
     elif per_sm == "fill":
@@ -276,8 +281,14 @@ def main():
                         help=f"the passes the sweep times, comma-separated: {', '.join(SWEEP_KERNELS)}")
     parser.add_argument("--sweep-grid-only", action="store_true",
                         help="sweep only the number of programs, with the shipped tiles and pipelining")
-    parser.add_argument("--sweep-grids", help="grids the sweep times, comma-separated (occ, occ2, fill or programs "
-                        "per multiprocessor); default occ,occ2,fill,8, with --sweep-grid-only occ,occ2,fill,2,4,8")
+    parser.add_argument("--sweep-grids", help="grids the sweep times, comma-separated (occ, occ2, fill, programs "
+                        "per multiprocessor, or tK: K row tiles per program); default occ,occ2,fill,8, with --sweep-grid-only occ,occ2,fill,2,4,8")
+    parser.add_argument("--sweep-variants", help="the variants to sweep instead of SWEEP_VARIANTS, as "
+                        "kernel:bm,bn,warps,stages[,max registers[,prefetch]] separated by ';' "
+                        "(e.g. 'quantize:64,64,8,0;quantize:64,64,8,0,0,1')")
+    parser.add_argument("--sweep-separate-sum", action="store_true",
+                        help="sweep the backward passes also with the bias gradient summed by its second launch "
+                        "(no arrival in the pass), as under torch.compile")
     parser.add_argument("--sweep-cyclic", action="store_true",
                         help="time every configuration with contiguous and with cyclic row tiles")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
@@ -303,8 +314,19 @@ def main():
         for kernel in args.sweep_kernel.split(","):
             for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
                 variants = [_shipped_variant(kernel, m, n)] if args.sweep_grid_only else None
+                if args.sweep_variants:
+                    variants = [tuple(int(v) for v in spec.split(":")[1].split(","))
+                                for spec in args.sweep_variants.split(";") if spec.split(":")[0] == kernel]
                 sweep_rows += sweep(m, n, on_row=on_row, kernel=kernel, variants=variants, per_sm_values=grids,
                                     row_orders=(False, True) if args.sweep_cyclic else (False,))
+                if args.sweep_separate_sum and SWEEP_KERNELS[kernel][2]:
+                    with separate_sum_launch():
+                        rows = sweep(m, n, on_row=None, kernel=kernel, variants=variants, per_sm_values=grids)
+                    for r in rows:
+                        r["kernel"] += " (sum launched)"
+                        r["frac_copy"] = r.get("GBps", float("nan")) / copy_gbps
+                    sweep_rows += rows
+                    write_results(args.out, "sweep", sweep_rows, extra)
         print("fastest per pass and size:")
         best = {}
         for r in sweep_rows:

@@ -6,7 +6,8 @@
 #
 # From the environment: TEST_FILES (test files under tests/ run on the GPU); limits in seconds
 # TESTS_S, OVERHEAD_S, KERNELS_S, CEILING_S (copy_ceiling.py), MLP_S, E2E_S (fuse.convert=all), and, off by default (0 skips a
-# step), E2E_MLP_S (fuse.convert=mlp at E2E_MLP_DIMS, default 2048,4096), SWEEP_S (launch-configuration
+# step), PATTERNS_S (access_patterns.py: the passes' traffic with no arithmetic, in whole waves and one tile per
+# program), E2E_MLP_S (fuse.convert=mlp at E2E_MLP_DIMS, default 2048,4096), SWEEP_S (launch-configuration
 # sweep of SWEEP_KERNELS, default all four passes, at SWEEP_SIZES, default 16384x6400), ABLATION_S
 # (kernel_ablation.py at SWEEP_SIZES), ISSUE_S (mlp_issue_time.py: is the MLP step host-bound) and
 # TMA_S (tma_variants.py: the passes with TMA descriptor loads and stores).
@@ -29,6 +30,7 @@ step gpu_tests "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider $(for t
 step overhead "${OVERHEAD_S:-60}" python bench_overhead.py --out "$out/overhead"
 step kernels "${KERNELS_S:-300}" python bench_kernels.py --out "$out/kernels"
 step copy_ceiling "${CEILING_S:-120}" python copy_ceiling.py --out "$out/copy_ceiling"
+step access_patterns "${PATTERNS_S:-0}" python access_patterns.py --out "$out/access_patterns"
 step mlp "${MLP_S:-200}" python bench_mlp.py --out "$out/mlp"
 step e2e "${E2E_S:-300}" python bench_e2e.py --steps 30 --parity-steps 200 --out "$out/e2e"
 step e2e_mlp "${E2E_MLP_S:-0}" python bench_e2e.py --dims "${E2E_MLP_DIMS:-2048,4096}" --convert mlp --steps 30 --out "$out/e2e_mlp"

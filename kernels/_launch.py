@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -176,6 +177,13 @@ class LaunchRule:
     ``alternative``: another form of the pass (another loop form, so another residency),
     launched instead where this one's grid fills less than ``keep_fill`` of its waves' slots and the
     alternative's fills more.
+
+    ``tiles_per_program``: where giving each program that many row tiles makes at least
+    ``min_waves`` waves, the grid is that many programs instead of whole waves: the GPU hands a
+    program to whichever multiprocessor frees a slot first, so no multiprocessor's slower programs
+    set the end of the pass. Only for passes without the bias gradient: every program of those ends
+    by reducing its accumulator and storing a partial row (``store_bias_gradient_partial``), which
+    made their many-program grids slower (BENCHMARKS.md).
     """
     block_m: int
     block_n: int
@@ -187,6 +195,8 @@ class LaunchRule:
     alternative: Optional["LaunchRule"] = None
     keep_fill: float = 0.0
     prefetch: bool = False  # LaunchConfig.prefetch
+    tiles_per_program: int = 0
+    min_waves: int = 0
 
 
 _MAX_WAVES = 4
@@ -195,24 +205,29 @@ _MAX_WAVES = 4
 # The fastest of the launch sweeps on an H200 (benchmarks/bench_kernels.py --sweep; BENCHMARKS.md).
 # The backward passes and the cast tile by four interleaved row sets (block_m / 4 rows each): these
 # tiles give each thread 16-byte loads of bf16 rows. Whole waves at the compiled kernels' residency
-# on an H200 (3, 4, 5 and 5 programs per multiprocessor): one wave where its programs fill 85% of
-# the slots, else two (N = 16384 for the cast: 0.81 -> 0.84 of copy at 16384x16384, where one wave
-# of 2 row groups x 256 strips fills 78%).
-# The two backward passes and the forward activation load each tile's inputs one iteration ahead
-# (``prefetch``): two tiles in flight per program, against one without (the bias gradient: 2-4%
-# faster at the two smaller sizes of BENCHMARKS.md; the activation 3-9% at four of five sizes) or
+# on an H200 (3, 4, 4 and 5 programs per multiprocessor): one wave where its programs fill 85% of
+# the slots, else two (N = 16384: one wave of 2 row groups x 256 strips would fill 78%).
+# Every pass loads each tile's inputs one iteration ahead (``prefetch``): two tiles in flight per
+# program, against one without (the bias gradient: 2-4% faster at the two smaller sizes of
+# BENCHMARKS.md; the activation 3-9% at four of five sizes; the cast, at four row tiles per program,
+# about 2% at the three larger sizes and 5% in whole waves at 8192x3072) or
 # three through shared memory in the fused pass's pipelined loop (2.5-6% faster at the two largest
-# sizes). The cast keeps its loop: prefetching costs it a program per multiprocessor (4 of 5) and
-# 2-3% at the three larger sizes. The fused pass has a second form, its loop pipelined two deep:
+# sizes). The fused pass has a second form, its loop pipelined two deep:
 # 126 registers, so 4 programs per multiprocessor instead of the prefetching form's 3. Where the
 # prefetching form's waves leave more than a tenth of the slots idle the two-deep form is the faster
 # (16384x6400: 5 row groups x 100 strips fill one wave to 95%, against two waves filled to 88%).
+# The two passes without a bias gradient, the cast and the forward activation, give each program
+# four row tiles where that makes 8 waves or more (``tiles_per_program``): the cast 1.05-1.06x
+# faster than whole waves of the same loop at the three larger sizes of BENCHMARKS.md, the
+# activation 1.03-1.07x; at 8192x3072 (under 3 and 5 waves of such programs) whole waves are as
+# fast or faster. The backward passes keep whole waves: with four tiles per program their
+# per-program bias-gradient partials made them 6-15% slower, whether summed in the pass or not.
 LAUNCH_RULES: dict[str, LaunchRule] = {
     "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True,
                                       alternative=LaunchRule(64, 64, 4, 2, 4, True), keep_fill=0.9),
     "dbias_quantize": LaunchRule(64, 64, 4, 0, 4, True, prefetch=True),
-    "quantize": LaunchRule(64, 64, 8, 0, 5, True),
-    "bias_act": LaunchRule(32, 64, 8, 0, 5, True, prefetch=True),
+    "quantize": LaunchRule(64, 64, 8, 0, 4, True, prefetch=True, tiles_per_program=4, min_waves=8),
+    "bias_act": LaunchRule(32, 64, 8, 0, 5, True, prefetch=True, tiles_per_program=4, min_waves=8),
 }
 
 
@@ -257,6 +272,11 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     strips = -(-n // block_n)
     row_tiles = max(1, -(-m // block_m))
     slots = sms * programs_per_sm
+    config = LaunchConfig(block_m, block_n, num_warps, 1, loop_stages=loop_stages, prefetch=rule.prefetch)
+    if rule.tiles_per_program:
+        groups = -(-row_tiles // rule.tiles_per_program)
+        if groups * strips >= rule.min_waves * slots:
+            return dataclasses.replace(config, groups=groups), 1.0
     if whole_waves:
         for waves in range(1, _MAX_WAVES + 1):
             groups = waves * slots // strips
@@ -270,4 +290,4 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     groups = -(-row_tiles // tiles_per_group)
     programs = groups * strips
     fill = programs / (-(-programs // slots) * slots)
-    return LaunchConfig(block_m, block_n, num_warps, groups, loop_stages=loop_stages, prefetch=rule.prefetch), fill
+    return dataclasses.replace(config, groups=groups), fill

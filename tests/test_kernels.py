@@ -436,7 +436,13 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
                 rule.block_m, rule.block_n, rule.num_warps, rule.loop_stages)
             assert cfg.block_m % 4 == 0  # four interleaved row sets per tile
             assert rows % cfg.block_m == 0 and (groups - 1) * rows < m <= groups * rows  # no empty group
-            if groups * cfg.block_m < m and groups > 1:  # rows left to spread over more programs
+            programs = groups * strips
+            if rule.tiles_per_program and programs >= rule.min_waves * slots:
+                # Enough tiles for many waves: tiles_per_program row tiles per program, no whole waves.
+                assert rows == rule.tiles_per_program * cfg.block_m
+            elif groups * cfg.block_m < m and groups > 1:  # rows left to spread over more programs
+                if rule.tiles_per_program:  # too few tiles for its many-program grid
+                    assert -(-m // (rule.tiles_per_program * cfg.block_m)) * strips < rule.min_waves * slots
                 if rule.whole_waves:
                     # The fewest whole waves whose programs fill 85% of their slots (up to 4 waves).
                     waves = -(-groups * strips // slots)
@@ -445,6 +451,33 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
                         assert (fewer * slots // strips) * strips < rule.min_wave_fill * fewer * slots
                 else:
                     assert groups * strips >= slots
+    finally:
+        _launch._CONFIGS.clear()
+
+
+@pytest.mark.parametrize("m,n,many", [(16384, 6400, True), (32768, 8192, True), (16384, 16384, True),
+                                      (8192, 3072, False), (100, 64, False)])
+def test_passes_without_a_bias_gradient_give_each_program_four_tiles_where_that_makes_many_waves(
+        monkeypatch, m, n, many):
+    # 132 multiprocessors: the cast (4 programs per SM) at 8192x3072 would make 32 x 48 programs of four
+    # tiles, under 3 waves, and keeps whole waves; at the larger sizes 12 waves or more.
+    from lightning_fuse.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    _launch._CONFIGS.clear()
+    try:
+        cfg = _launch.launch_config("quantize", m, n, torch.device("cuda", 0))
+        rows, groups = cfg.row_groups(m)
+        assert (rows == 4 * cfg.block_m and groups == -(-m // rows)) == many
+        assert cfg.prefetch
+        if many:
+            assert groups * -(-n // cfg.block_n) >= 8 * 132 * 4
+        bias_act = _launch.launch_config("bias_act", m, n, torch.device("cuda", 0))
+        if many:
+            assert bias_act.row_groups(m)[0] == 4 * bias_act.block_m
+        for name in ("dact_dbias_quantize", "dbias_quantize"):  # whole waves, always
+            backward = _launch.launch_config(name, m, n, torch.device("cuda", 0))
+            assert backward.row_groups(m)[1] * -(-n // backward.block_n) <= 4 * 132 * 4
     finally:
         _launch._CONFIGS.clear()
 

@@ -240,6 +240,36 @@ def test_quantize_exact(dtype, fp8_dtype):
     assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
 
 
+@pytest.mark.parametrize("m", [512, 509])
+def test_cast_and_activation_with_four_row_tiles_per_program(m):
+    # Shapes big enough for the many-program grid of the two passes without a bias gradient
+    # (LaunchRule.tiles_per_program; on the interpreter 8 waves are 32 programs): every output of
+    # every program, with M a multiple of 4 (the transposed copy packed in words) and not.
+    from lightning_fuse.kernels import _launch
+
+    n = 128
+    for name in ("quantize", "bias_act"):
+        cfg = _launch.launch_config(name, m, n, torch.device(DEVICE))
+        if DEVICE == "cpu":
+            assert cfg.row_groups(m)[0] == 4 * cfg.block_m
+    x = (torch.randn(m, n) * torch.exp2(torch.randint(-12, 8, (m, n)).float())).to(DEVICE, torch.bfloat16)
+    amax = torch.zeros(1, device=DEVICE)
+    q, q_t = quantize(x, scale=torch.tensor(2.0, device=DEVICE), fp8_dtype=torch.float8_e4m3fn, amax=amax,
+                      transpose=True)
+    expected = quantize_reference(x.double(), 2.0, torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
+    assert amax.item() == x.float().abs().max().item()
+    amax.zero_()
+    y, q, q_t = bias_act(x, None, "gelu_tanh", scale=torch.tensor(4.0, device=DEVICE),
+                         fp8_dtype=torch.float8_e4m3fn, amax=amax, transpose=True)
+    torch.testing.assert_close(y.double(), activation_reference(x.double(), "gelu_tanh"), rtol=1.6e-2, atol=1.6e-2)
+    assert torch.equal(q.view(torch.uint8).cpu(),
+                       quantize_reference(y.double(), 4.0, torch.float8_e4m3fn).view(torch.uint8).cpu())
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
+    assert amax.item() == y.float().abs().max().item()
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_current_scaling_uses_the_tensors_own_amax(fp8_dtype):
     grad, pre = _inputs((33,), 48, torch.bfloat16)

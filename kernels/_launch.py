@@ -179,11 +179,11 @@ class LaunchRule:
     alternative's fills more.
 
     ``tiles_per_program``: where giving each program that many row tiles makes at least
-    ``min_waves`` waves, the grid is that many programs instead of whole waves: the GPU hands a
-    program to whichever multiprocessor frees a slot first, so no multiprocessor's slower programs
-    set the end of the pass. Only for passes without the bias gradient: every program of those ends
-    by reducing its accumulator and storing a partial row (``store_bias_gradient_partial``), which
-    made their many-program grids slower (BENCHMARKS.md).
+    ``min_waves`` waves, the grid is that many programs instead of whole waves, and the GPU hands
+    each program to whichever multiprocessor frees a slot first (the passes' traffic alone, one
+    tile per program, moved 4-20% faster than in whole waves: benchmarks/access_patterns.py).
+    Only for passes without the bias gradient: with it they measured 6-15% slower in such grids,
+    whether the partials were summed in the pass or by a second launch (BENCHMARKS.md).
     """
     block_m: int
     block_n: int
@@ -209,19 +209,19 @@ _MAX_WAVES = 4
 # the slots, else two (N = 16384: one wave of 2 row groups x 256 strips would fill 78%).
 # Every pass loads each tile's inputs one iteration ahead (``prefetch``): two tiles in flight per
 # program, against one without (the bias gradient: 2-4% faster at the two smaller sizes of
-# BENCHMARKS.md; the activation 3-9% at four of five sizes; the cast, at four row tiles per program,
-# about 2% at the three larger sizes and 5% in whole waves at 8192x3072) or
-# three through shared memory in the fused pass's pipelined loop (2.5-6% faster at the two largest
-# sizes). The fused pass has a second form, its loop pipelined two deep:
-# 126 registers, so 4 programs per multiprocessor instead of the prefetching form's 3. Where the
-# prefetching form's waves leave more than a tenth of the slots idle the two-deep form is the faster
-# (16384x6400: 5 row groups x 100 strips fill one wave to 95%, against two waves filled to 88%).
+# BENCHMARKS.md; the activation 3-9% at four of five sizes; the cast about 2% at the three larger
+# sizes in its four-tile programs, 5% in whole waves at 8192x3072) or three through shared memory
+# in the fused pass's pipelined loop (2.5-6% faster at the two largest sizes).
+# The fused pass has a second form, its loop pipelined two deep: 126 registers, so 4 programs per
+# multiprocessor instead of the prefetching form's 3. Where the prefetching form's waves leave more
+# than a tenth of the slots idle the two-deep form is the faster (16384x6400: 5 row groups x 100
+# strips fill one wave to 95%, against two waves filled to 88%).
 # The two passes without a bias gradient, the cast and the forward activation, give each program
 # four row tiles where that makes 8 waves or more (``tiles_per_program``): the cast 1.05-1.06x
 # faster than whole waves of the same loop at the three larger sizes of BENCHMARKS.md, the
 # activation 1.03-1.07x; at 8192x3072 (under 3 and 5 waves of such programs) whole waves are as
-# fast or faster. The backward passes keep whole waves: with four tiles per program their
-# per-program bias-gradient partials made them 6-15% slower, whether summed in the pass or not.
+# fast or faster. The backward passes keep whole waves: with four tiles per program they measured
+# 6-15% slower, whether their bias gradient's partials were summed in the pass or not.
 LAUNCH_RULES: dict[str, LaunchRule] = {
     "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True,
                                       alternative=LaunchRule(64, 64, 4, 2, 4, True), keep_fill=0.9),

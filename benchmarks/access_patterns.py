@@ -2,14 +2,16 @@
 
 ``quantize`` and ``dbias_quantize`` read 2 bytes and write 2 per element, like a copy, but in
 whole waves of long-lived programs they reached 0.80-0.85 of the copy bandwidth where a Triton
-copy of the same size reaches 0.88-0.95 (``copy_ceiling.py``). Here one kernel moves bytes the way the passes do (column strips of
-``block_m x block_n`` tiles walked down row groups, four interleaved row sets per tile) and
-computes nothing: each FP8 "code" is the high byte of the bf16 input. It writes the rows back as
-bf16 (a strip-shaped copy), or as one byte per element, with or without the transposed copy
-packed into words as the passes write it. Each pattern runs persistent (the passes' whole-wave
-grid) and with one tile per program. Every output is checked. Timed from CUDA graphs in one run,
-as fractions of the 2 GB copy; with ``--ncu`` the script instead launches each pattern once at one
-size for Nsight Compute (DRAM bytes read and written per pattern).
+copy of the same size reaches 0.88-0.95 (``copy_ceiling.py``). Here one kernel moves bytes the way
+the passes do (column strips of ``block_m x block_n`` tiles walked down row groups, four
+interleaved row sets per tile) and computes nothing: each FP8 "code" is the high byte of the bf16
+input. It writes the rows back as bf16 (a strip-shaped copy), or as one byte per element, with or
+without the transposed copy packed into words as the passes write it. Each pattern runs persistent
+(one whole wave at the kernel's residency, as in the passes' grid) and with one tile per program.
+Every pattern's output is checked (the shipped passes timed beside them are checked by
+``bench_kernels.py``). Timed from CUDA graphs in one run, as fractions of the 2 GB copy; with
+``--ncu`` the script instead launches each variant once at one size for Nsight Compute (DRAM bytes
+read and written per variant).
 
     python benchmarks/access_patterns.py --out results/access_patterns
 """
@@ -136,7 +138,7 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     copy_gbps = None if args.ncu else copy_bandwidth_gbps()
-    print(f"{environment()}  copy bandwidth {copy_gbps} GB/s")
+    print(environment(), "" if args.ncu else f" copy bandwidth {copy_gbps:.0f} GB/s")
     rows = []
     for m, n in sizes:
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)

@@ -122,9 +122,8 @@ def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, re
     multiprocessor, rounded up; ``tK`` gives every program ``K`` row tiles (``t1``: one tile per
     program), as many programs as that takes."""
     if isinstance(per_sm, str) and per_sm.startswith("t"):
-        groups = -(-max(1, -(-m // bm)) // int(per_sm[1:]))
-        return LaunchConfig(bm, bn, warps, groups, stages, max_registers, cyclic_rows=cyclic, prefetch=prefetch)
-    if per_sm in ("occ", "occ2"):
+        rule = LaunchRule(bm, bn, warps, stages, resident, True, tiles_per_program=int(per_sm[1:]), min_waves=0)
+    elif per_sm in ("occ", "occ2"):
         rule = LaunchRule(bm, bn, warps, stages, resident * (2 if per_sm == "occ2" else 1), True, min_wave_fill=0)
     elif per_sm == "fill":
         rule = LaunchRule(bm, bn, warps, stages, resident, True)

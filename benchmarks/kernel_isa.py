@@ -145,7 +145,9 @@ def analyse(name, case, copy_gbps, sms, clock_ghz, dump: Path | None = None) -> 
                 issue_needed_at_085=round(0.85 * per_element / budget, 2),
                 top=", ".join(f"{op} {count / per_thread:.1f}" for op, count in kinds.most_common(6)),
                 # the row loop's global stores by width (tests/test_instruction_budget.py)
-                loop_stores=dict(collections.Counter(op for op in body if op.startswith("STG"))))
+                loop_stores=dict(collections.Counter(op for op in body if op.startswith("STG"))),
+                # memory fences in the whole kernel: each holds its program's slot until its stores land
+                fences=len(re.findall(r"\bMEMBAR\b", sass)))
 
 
 def main():

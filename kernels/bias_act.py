@@ -88,7 +88,7 @@ def _bias_act_kernel(
                 tl.store(q_t_ptrs, tl.trans(codes).to(tl.uint8),
                          mask=tl.trans(mask))
     if COMPUTE_AMAX:
-        tl.atomic_max(amax_ptr, amax_finish(amax_acc))
+        tl.atomic_max(amax_ptr, amax_finish(amax_acc), sem="relaxed")
 
 
 def _launch(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],

@@ -205,7 +205,7 @@ def _dact_dbias_quantize_kernel(
         store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, pid_m, pid_n, offs_n, mask_n, N,
                                     FINISH_DBIAS, DBIAS_BF16)
     if COMPUTE_AMAX:
-        tl.atomic_max(amax_ptr, amax_finish(amax_acc))
+        tl.atomic_max(amax_ptr, amax_finish(amax_acc), sem="relaxed")
 
 
 @triton.jit

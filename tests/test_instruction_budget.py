@@ -57,3 +57,14 @@ def test_the_packed_transposed_copy_is_stored_16_bytes_at_a_time(isa_rows):
         block_m, block_n = map(int, row["block"].split("x"))
         words_per_thread = block_m * block_n // 4 // (32 * row["warps"])
         assert row["loop_stores"].get("STG.E.128", 0) * 4 >= words_per_thread, row
+
+
+@pytest.mark.slow
+def test_only_the_bias_gradient_arrival_fences(isa_rows):
+    # The amax's atomic max is relaxed: its value is read after the kernel ends, so it needs no
+    # fence, and a fence at the end of every program waits for that program's last stores to land.
+    # The backward passes keep the one fence that orders their bias-gradient partial before their
+    # arrival on the strip's counter.
+    for name, row in isa_rows.items():
+        expected = 0 if name.startswith(("quantize", "bias_act")) else 1
+        assert row["fences"] == expected, (name, row["fences"])

@@ -182,8 +182,9 @@ class LaunchRule:
     ``min_waves`` waves, the grid is that many programs instead of whole waves, and the GPU hands
     each program to whichever multiprocessor frees a slot first (the passes' traffic alone, one
     tile per program, moved 4-20% faster than in whole waves: benchmarks/access_patterns.py).
-    Only for passes without the bias gradient: with it they measured 6-15% slower in such grids,
-    whether the partials were summed in the pass or by a second launch (BENCHMARKS.md).
+    Only for passes without the bias gradient, which measured slower in such grids (BENCHMARKS.md).
+    ``max_rows_per_program``: whole waves are added (up to ``_MAX_WAVES``) while a program would
+    walk more rows than this; 0 sets no bound.
     """
     block_m: int
     block_n: int
@@ -197,37 +198,42 @@ class LaunchRule:
     prefetch: bool = False  # LaunchConfig.prefetch
     tiles_per_program: int = 0
     min_waves: int = 0
+    max_rows_per_program: int = 0
 
 
 _MAX_WAVES = 4
 
 
 # The fastest of the launch sweeps on an H200 (benchmarks/bench_kernels.py --sweep; BENCHMARKS.md).
-# The backward passes and the cast tile by four interleaved row sets (block_m / 4 rows each): these
-# tiles give each thread 16-byte loads of bf16 rows. Whole waves at the compiled kernels' residency
-# on an H200 (3, 4, 4 and 5 programs per multiprocessor): one wave where its programs fill 85% of
-# the slots, else two (N = 16384: one wave of 2 row groups x 256 strips would fill 78%).
+# The passes tile by four interleaved row sets (block_m / 4 rows each): these tiles give each thread
+# 16-byte loads of bf16 rows. Whole waves at the compiled kernels' residency on an H200 (3, 2, 4 and
+# 5 programs per multiprocessor): one wave where its programs fill 85% of the slots, else two
+# (N = 16384: one wave of 2 row groups x 256 strips would fill 78%).
 # Every pass loads each tile's inputs one iteration ahead (``prefetch``): two tiles in flight per
 # program, against one without (the bias gradient: 2-4% faster at the two smaller sizes of
-# BENCHMARKS.md; the activation 3-9% at four of five sizes; the cast about 2% at the three larger
-# sizes in its four-tile programs, 5% in whole waves at 8192x3072) or three through shared memory
-# in the fused pass's pipelined loop (2.5-6% faster at the two largest sizes).
+# BENCHMARKS.md; the activation 3-9% at four of five sizes; the cast 2-5%) or three through shared
+# memory in the fused pass's pipelined loop (2.5-6% faster at the two largest sizes).
 # The fused pass has a second form, its loop pipelined two deep: 126 registers, so 4 programs per
 # multiprocessor instead of the prefetching form's 3. Where the prefetching form's waves leave more
 # than a tenth of the slots idle the two-deep form is the faster (16384x6400: 5 row groups x 100
 # strips fill one wave to 95%, against two waves filled to 88%).
-# The two passes without a bias gradient, the cast and the forward activation, give each program
-# four row tiles where that makes 8 waves or more (``tiles_per_program``): the cast 1.05-1.06x
-# faster than whole waves of the same loop at the three larger sizes of BENCHMARKS.md, the
-# activation 1.03-1.07x; at 8192x3072 (under 3 and 5 waves of such programs) whole waves are as
-# fast or faster. The backward passes keep whole waves: with four tiles per program they measured
-# 6-15% slower, whether their bias gradient's partials were summed in the pass or not.
+# The backward passes' programs walk at most 8192 rows (``max_rows_per_program``): two waves of
+# shorter programs instead of one were 1-3% faster where one wave's programs would walk 16384 or
+# more rows (the bias gradient in 128 x 64 tiles at 32768x8192 and 16384x16384, the fused pass at
+# 32768x8192), and slower where they walk fewer (8192x3072, 16384x6400). The bias gradient's pass
+# runs 128 x 64 tiles of 8 warps: 3-4% faster than 64 x 64 tiles of 4 warps at those two sizes, as
+# fast at the other two.
+# The two passes without a bias gradient, the cast and the forward activation, give each program a
+# few row tiles where that makes 4 waves or more (``tiles_per_program``): two for the cast, 1.03-1.10x
+# faster than whole waves and 1.01-1.03x faster than four tiles; four for the activation, 1.03-1.09x
+# faster than whole waves. The backward passes keep whole waves: in programs of two or four row
+# tiles they measured 5-25% slower.
 LAUNCH_RULES: dict[str, LaunchRule] = {
-    "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True,
+    "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True, max_rows_per_program=8192,
                                       alternative=LaunchRule(64, 64, 4, 2, 4, True), keep_fill=0.9),
-    "dbias_quantize": LaunchRule(64, 64, 4, 0, 4, True, prefetch=True),
-    "quantize": LaunchRule(64, 64, 8, 0, 4, True, prefetch=True, tiles_per_program=4, min_waves=8),
-    "bias_act": LaunchRule(32, 64, 8, 0, 5, True, prefetch=True, tiles_per_program=4, min_waves=8),
+    "dbias_quantize": LaunchRule(128, 64, 8, 0, 2, True, prefetch=True, max_rows_per_program=8192),
+    "quantize": LaunchRule(64, 64, 8, 0, 4, True, prefetch=True, tiles_per_program=2, min_waves=4),
+    "bias_act": LaunchRule(32, 64, 8, 0, 5, True, prefetch=True, tiles_per_program=4, min_waves=4),
 }
 
 
@@ -280,7 +286,12 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     if whole_waves:
         for waves in range(1, _MAX_WAVES + 1):
             groups = waves * slots // strips
-            if groups >= row_tiles or groups * strips >= rule.min_wave_fill * waves * slots:
+            if groups >= row_tiles:
+                break
+            filled = groups * strips >= rule.min_wave_fill * waves * slots
+            short = not rule.max_rows_per_program or (
+                -(-row_tiles // max(1, groups)) * block_m <= rule.max_rows_per_program)
+            if filled and short:
                 break
     else:
         groups = -(-slots // strips)

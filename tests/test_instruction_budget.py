@@ -39,6 +39,8 @@ def test_fused_gelu_tanh_backward_stays_within_its_instruction_budget(isa_rows):
     assert isa_rows["bias_act gelu_tanh"]["programs_per_sm"] >= 5
     # The cast's prefetching loop (55 registers at 8 warps) at the 4 programs per SM its rule assumes.
     assert isa_rows["quantize"]["programs_per_sm"] >= 4
+    # The bias gradient's 128 x 64 tiles of 8 warps at the 2 programs per SM its rule assumes.
+    assert isa_rows["dbias_quantize"]["programs_per_sm"] >= 2
     # The launch rule's second form (kernels/_launch.py) is only worth launching at 4 programs per SM.
     two_deep = isa_rows["dact_dbias_quantize gelu_tanh, 2-deep form"]
     assert two_deep["loop_sass_per_element"] <= 28

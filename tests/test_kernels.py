@@ -241,17 +241,18 @@ def test_quantize_exact(dtype, fp8_dtype):
 
 
 @pytest.mark.parametrize("m", [512, 509])
-def test_cast_and_activation_with_four_row_tiles_per_program(m):
+def test_cast_and_activation_with_a_few_row_tiles_per_program(m):
     # Shapes big enough for the many-program grid of the two passes without a bias gradient
-    # (LaunchRule.tiles_per_program; on the interpreter 8 waves are 32 programs): every output of
-    # every program, with M a multiple of 4 (the transposed copy packed in words) and not.
+    # (LaunchRule.tiles_per_program, two row tiles for the cast and four for the activation; on the
+    # interpreter 4 waves are 16 programs): every output of every program, with M a multiple of 4
+    # (the transposed copy packed in words) and not.
     from lightning_fuse.kernels import _launch
 
     n = 128
     for name in ("quantize", "bias_act"):
         cfg = _launch.launch_config(name, m, n, torch.device(DEVICE))
         if DEVICE == "cpu":
-            assert cfg.row_groups(m)[0] == 4 * cfg.block_m
+            assert cfg.row_groups(m)[0] == _launch.LAUNCH_RULES[name].tiles_per_program * cfg.block_m
     x = (torch.randn(m, n) * torch.exp2(torch.randint(-12, 8, (m, n)).float())).to(DEVICE, torch.bfloat16)
     amax = torch.zeros(1, device=DEVICE)
     q, q_t = quantize(x, scale=torch.tensor(2.0, device=DEVICE), fp8_dtype=torch.float8_e4m3fn, amax=amax,
@@ -474,11 +475,17 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
                 if rule.tiles_per_program:  # too few tiles for its many-program grid
                     assert -(-m // (rule.tiles_per_program * cfg.block_m)) * strips < rule.min_waves * slots
                 if rule.whole_waves:
-                    # The fewest whole waves whose programs fill 85% of their slots (up to 4 waves).
+                    # The fewest whole waves whose programs fill 85% of their slots (up to 4 waves)
+                    # and walk at most max_rows_per_program rows.
                     waves = -(-groups * strips // slots)
                     assert groups * strips / (waves * slots) >= 0.8  # 0.85 before the groups are evened out
+                    if rule.max_rows_per_program and waves < _launch._MAX_WAVES:
+                        assert rows <= rule.max_rows_per_program
                     for fewer in range(1, waves):
-                        assert (fewer * slots // strips) * strips < rule.min_wave_fill * fewer * slots
+                        fewer_groups = fewer * slots // strips
+                        fewer_rows = -(-(-(-m // cfg.block_m)) // max(1, fewer_groups)) * cfg.block_m
+                        assert (fewer_groups * strips < rule.min_wave_fill * fewer * slots
+                                or fewer_rows > (rule.max_rows_per_program or m))
                 else:
                     assert groups * strips >= slots
     finally:
@@ -486,28 +493,51 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
 
 
 @pytest.mark.parametrize("m,n,many", [(16384, 6400, True), (32768, 8192, True), (16384, 16384, True),
-                                      (8192, 3072, False), (100, 64, False)])
-def test_passes_without_a_bias_gradient_give_each_program_four_tiles_where_that_makes_many_waves(
+                                      (8192, 3072, True), (2048, 3072, False), (100, 64, False)])
+def test_passes_without_a_bias_gradient_give_each_program_a_few_tiles_where_that_makes_four_waves(
         monkeypatch, m, n, many):
-    # 132 multiprocessors: the cast (4 programs per SM) at 8192x3072 would make 32 x 48 programs of four
-    # tiles, under 3 waves, and keeps whole waves; at the larger sizes 12 waves or more.
+    # 132 multiprocessors: the cast (4 programs per SM) in programs of two 64-row tiles makes 64 x 48
+    # programs at 8192x3072, 5.8 waves; at 2048x3072 16 x 48, under 2, and keeps whole waves. The
+    # forward activation (5 per SM) in programs of four 32-row tiles: 4.7 and 1.2 waves.
     from lightning_fuse.kernels import _launch
 
     monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
     _launch._CONFIGS.clear()
     try:
-        cfg = _launch.launch_config("quantize", m, n, torch.device("cuda", 0))
-        rows, groups = cfg.row_groups(m)
-        assert (rows == 4 * cfg.block_m and groups == -(-m // rows)) == many
-        assert cfg.prefetch
-        if many:
-            assert groups * -(-n // cfg.block_n) >= 8 * 132 * 4
-        bias_act = _launch.launch_config("bias_act", m, n, torch.device("cuda", 0))
-        if many:
-            assert bias_act.row_groups(m)[0] == 4 * bias_act.block_m
+        for name, tiles, per_sm in (("quantize", 2, 4), ("bias_act", 4, 5)):
+            cfg = _launch.launch_config(name, m, n, torch.device("cuda", 0))
+            rows, groups = cfg.row_groups(m)
+            assert (rows == tiles * cfg.block_m and groups == -(-m // rows)) == many, name
+            assert cfg.prefetch
+            if many:
+                assert groups * -(-n // cfg.block_n) >= 4 * 132 * per_sm
         for name in ("dact_dbias_quantize", "dbias_quantize"):  # whole waves, always
             backward = _launch.launch_config(name, m, n, torch.device("cuda", 0))
             assert backward.row_groups(m)[1] * -(-n // backward.block_n) <= 4 * 132 * 4
+    finally:
+        _launch._CONFIGS.clear()
+
+
+@pytest.mark.parametrize("name,m,n,groups", [
+    ("dbias_quantize", 32768, 8192, 4), ("dbias_quantize", 16384, 16384, 2), ("dbias_quantize", 16384, 6400, 5),
+    ("dbias_quantize", 8192, 3072, 5), ("dact_dbias_quantize", 32768, 8192, 6),
+    ("dact_dbias_quantize", 16384, 16384, 3), ("dact_dbias_quantize", 8192, 3072, 8)])
+def test_backward_passes_add_a_wave_where_one_wave_of_programs_would_walk_over_8192_rows(
+        monkeypatch, name, m, n, groups):
+    # 132 multiprocessors. The bias gradient (128 x 64 tiles, 2 per SM) at 32768x8192 fills one wave
+    # with 2 row groups x 128 strips, each walking 16384 rows: it takes two waves of 4 x 128 instead;
+    # at 16384x16384, 2 x 256 instead of 1 x 256. The fused pass (3 per SM) at 32768x8192: 6 x 128
+    # programs of 5504 rows instead of 3 x 128 of 10944. Where one wave's programs walk fewer rows,
+    # it stays one wave.
+    from lightning_fuse.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    _launch._CONFIGS.clear()
+    try:
+        cfg = _launch.launch_config(name, m, n, torch.device("cuda", 0))
+        rows, got = cfg.row_groups(m)
+        assert got == groups, (name, m, n, cfg)
+        assert rows <= _launch.LAUNCH_RULES[name].max_rows_per_program
     finally:
         _launch._CONFIGS.clear()
 

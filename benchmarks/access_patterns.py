@@ -25,14 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_kernels import _resident_per_sm
-from common import copy_bandwidth_gbps, environment, graph_ms, print_table, write_results
+from bench_kernels import SIZES, _resident_per_sm
+from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
 from copy_ceiling import triton_copy
 from lightning_fuse.kernels._launch import LaunchConfig, launch_config
 
 ddq = importlib.import_module("lightning_fuse.kernels.dact_dbias_quantize")
-
-SIZES = [(8192, 3072), (16384, 6400), (32768, 8192), (16384, 16384)]
 
 
 @triton.jit
@@ -136,7 +134,7 @@ def main():
     parser.add_argument("--ncu", action="store_true", help="launch each variant once (for Nsight Compute)")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     copy_gbps = None if args.ncu else copy_bandwidth_gbps()
     print(environment(), "" if args.ncu else f" copy bandwidth {copy_gbps:.0f} GB/s")
     rows = []

@@ -25,6 +25,7 @@ from common import (
     graph_ms,
     environment,
     median_ms,
+    parse_sizes,
     print_table,
     separate_sum_launch,
     unfused_dact_dbias_quantize,
@@ -292,7 +293,7 @@ def main():
                         help="time every configuration with contiguous and with cyclic row tiles")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
     args = parser.parse_args()
-    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
@@ -311,7 +312,7 @@ def main():
             print_table(rows[-1:], columns)
 
         for kernel in args.sweep_kernel.split(","):
-            for m, n in [tuple(int(v) for v in s.split("x")) for s in args.sweep_sizes.split(",")]:
+            for m, n in parse_sizes(args.sweep_sizes):
                 variants = [_shipped_variant(kernel, m, n)] if args.sweep_grid_only else None
                 if args.sweep_variants:
                     variants = [tuple(int(v) for v in spec.split(":")[1].split(","))

@@ -106,6 +106,11 @@ def unfused_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
     return q, (q.t().contiguous() if transpose else None)
 
 
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """``"8192x3072,16384x6400"`` -> ``[(8192, 3072), (16384, 6400)]`` (the scripts' ``--sizes``)."""
+    return [tuple(int(v) for v in size.split("x")) for size in text.split(",")]
+
+
 def write_results(out_dir: str | os.PathLike, stem: str, rows: list[dict], extra: dict | None = None) -> Path:
     """Writes ``stem.csv`` and ``stem.json`` (rows + environment) under ``out_dir``."""
     out = Path(out_dir)

@@ -19,10 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from bench_kernels import SIZES
 from common import copy_bandwidth_gbps, environment, graph_ms, median_ms, print_table, write_results
 from lightning_fuse.kernels import dbias_quantize, quantize
-
-SIZES = [(8192, 3072), (16384, 6400), (32768, 8192), (16384, 16384)]
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from common import (copy_bandwidth_gbps, environment, graph_ms, median_ms, print_table, separate_sum_launch,
+from common import (copy_bandwidth_gbps, environment, graph_ms, median_ms, parse_sizes, print_table, separate_sum_launch,
                     write_results)
 from lightning_fuse.kernels import bias_act
 from lightning_fuse.kernels._launch import launch_config
@@ -126,7 +126,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     torch.manual_seed(0)
     if args.profile:
         for m, n in sizes:

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench_kernels import SIZES, _resident_per_sm
-from common import copy_bandwidth_gbps, environment, graph_ms, print_table, write_results
+from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
 from lightning_fuse.kernels._launch import LaunchRule, _pick_config, fp8_encoder, launch_config, row_loop
 from lightning_fuse.kernels.activations import act_derivative, activation_id
 from lightning_fuse.kernels.fp8 import amax_finish, amax_update, fp8_codes
@@ -209,7 +209,7 @@ def main():
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
-    rows = run([tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")], copy_gbps, args.out)
+    rows = run(parse_sizes(args.sizes), copy_gbps, args.out)
     best = {}
     for r in rows:
         key = (r["kernel"], r["M"], r["N"], r["variant"])

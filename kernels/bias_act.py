@@ -111,8 +111,7 @@ def _launch(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, scal
         STORE_Y=True, FP8_FORMAT=fp8_code,
         TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(h),
         LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, num_warps=config.num_warps,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
 
 

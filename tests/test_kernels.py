@@ -481,9 +481,10 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
                     assert groups * strips / (waves * slots) >= 0.8  # 0.85 before the groups are evened out
                     if rule.max_rows_per_program and waves < _launch._MAX_WAVES:
                         assert rows <= rule.max_rows_per_program
+                    row_tiles = -(-m // cfg.block_m)
                     for fewer in range(1, waves):
                         fewer_groups = fewer * slots // strips
-                        fewer_rows = -(-(-(-m // cfg.block_m)) // max(1, fewer_groups)) * cfg.block_m
+                        fewer_rows = -(-row_tiles // max(1, fewer_groups)) * cfg.block_m
                         assert (fewer_groups * strips < rule.min_wave_fill * fewer * slots
                                 or fewer_rows > (rule.max_rows_per_program or m))
                 else:

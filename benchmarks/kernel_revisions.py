@@ -1,0 +1,178 @@
+"""Same-run A/B of revisions of the backward passes' kernel source (GPU).
+
+Each ``--source NAME=PATH`` is a copy of ``kernels/dact_dbias_quantize.py`` from some revision
+(``git show REV:kernels/dact_dbias_quantize.py > PATH``). Every copy is loaded beside the installed
+package as a module of its own (its relative imports resolve to the installed ``_launch``,
+``activations`` and ``fp8``; its ``triton_op`` registrations are skipped), so all of them run in
+one process, on the same data, on the same card. Each pass is launched through the copy's own
+``_launch`` with the launch the installed library picks (grid ``shipped``) or with a grid of ``K``
+row tiles per program (``tK``), and optionally other tiles (``--tiles``).
+
+Every launch is checked first: the transposed copy equal to the row-wise one in every byte, the
+row-wise codes equal to the first source's, the bias gradient within 1e-5 of a float64 sum. Then
+the sources are timed in turn (CUDA-graph replays, median), ``--rounds`` times over, so a drift of
+the card over the run falls on every source alike; the table gives each source's fastest round and
+its ratio to the first source's.
+
+    git show main:kernels/dact_dbias_quantize.py > /tmp/main.py
+    python benchmarks/kernel_revisions.py --source main=/tmp/main.py --source new=kernels/dact_dbias_quantize.py
+
+On a machine without CUDA (``TRITON_INTERPRET=1``) it runs the checks alone, at small sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.library
+
+from common import environment, graph_ms, parse_sizes, print_table, write_results
+from lightning_fuse.kernels import activation_derivative_reference
+from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
+
+# pass -> (activation id: 2 is gelu_tanh, 0 none; bytes per element with bf16 inputs)
+PASSES = {"dact_dbias_quantize": (2, 6), "dbias_quantize": (0, 4)}
+E5M2 = 2  # the FP8 code of e5m2, the gradients' format
+
+
+def load_source(name: str, path: str | Path):
+    """``path`` imported as ``lightning_fuse.kernels._revision_<name>``, its ``triton_op`` calls made
+    no-ops (the installed module has registered those names already)."""
+    real = torch.library.triton_op
+
+    def no_op(op_name, fn=None, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    spec = importlib.util.spec_from_file_location(f"lightning_fuse.kernels._revision_{name}", path)
+    if spec is None:
+        raise ValueError(f"--source {name}={path}: not a Python file that can be imported")
+    module = importlib.util.module_from_spec(spec)
+    torch.library.triton_op = no_op
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        torch.library.triton_op = real
+    if not hasattr(module, "_launch"):
+        raise ValueError(f"--source {name}={path}: has no _launch; expected a copy of kernels/dact_dbias_quantize.py")
+    return module
+
+
+def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str, tiles: tuple | None) -> LaunchConfig:
+    """The launch for ``grid``: ``shipped`` (the installed library's rule), or ``tK`` (``K`` row tiles
+    per program) with the shipped tiles or ``tiles`` = (block_m, block_n, warps, loop stages, prefetch)."""
+    shipped = launch_config(pass_name, m, n, device)
+    if tiles is None:
+        tiles = (shipped.block_m, shipped.block_n, shipped.num_warps, shipped.loop_stages, int(shipped.prefetch))
+    block_m, block_n, warps, stages, prefetch = tiles
+    if grid == "shipped":
+        if tiles[:4] != (shipped.block_m, shipped.block_n, shipped.num_warps, shipped.loop_stages):
+            raise ValueError(f"grid 'shipped' takes the shipped tiles, got --tiles {tiles}")
+        return shipped
+    if not (grid.startswith("t") and grid[1:].isdigit() and int(grid[1:]) > 0):
+        raise ValueError(f"grid {grid!r}: expected 'shipped' or tK with K >= 1 row tiles per program")
+    rule = LaunchRule(block_m, block_n, warps, stages, 1, True, prefetch=bool(prefetch), tiles_per_program=int(grid[1:]),
+                      min_waves=0)
+    return _pick_config(m, n, device, rule)
+
+
+def _inputs(m, n, device):
+    gen = torch.Generator(device="cpu").manual_seed(m * 7 + n)
+    grad = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
+    pre = (torch.randn(m, n, generator=gen) * 2).to(device, torch.bfloat16)
+    return grad, pre
+
+
+def compare(sources: dict, sizes, passes, grids, tiles, rounds: int, device: torch.device):
+    rows = []
+    for (m, n), pass_name, grid in itertools.product(sizes, passes, grids):
+        activation, nbytes = PASSES[pass_name]
+        grad, pre = _inputs(m, n, device)
+        scale = torch.tensor(2048.0, device=device)
+        amax = torch.zeros(1, device=device)
+        cfg = grid_config(pass_name, m, n, device, grid, tiles)
+        outs = {}
+
+        def launcher(module):
+            out = torch.empty(m, n, dtype=torch.uint8, device=device)
+            out_t = torch.empty(n, m, dtype=torch.uint8, device=device)
+            dbias = torch.empty(n, dtype=torch.float32, device=device)
+            outs[module] = (out, out_t, dbias)
+            return lambda: module._launch(grad, pre if activation else None, activation, scale, E5M2, amax, True,
+                                          True, True, cfg, out, out_t, dbias, False)
+
+        calls = {name: launcher(module) for name, module in sources.items()}
+        dx = grad.double() * (activation_derivative_reference(pre.double(), "gelu_tanh") if activation else 1)
+        ref_dbias = dx.sum(0)
+        first_codes = None
+        checks = {}
+        for name, call in calls.items():
+            out, out_t, dbias = outs[sources[name]]
+            out.fill_(255)
+            out_t.fill_(255)
+            call()
+            first_codes = out.clone() if first_codes is None else first_codes
+            rel = ((dbias.double() - ref_dbias).norm() / ref_dbias.norm()).item()
+            checks[name] = (torch.equal(out_t, out.t()) and torch.equal(out, first_codes) and rel < 1e-5)
+            if not checks[name]:
+                print(f"CHECK FAILED {name} {pass_name} {m}x{n} {grid}: dbias rel {rel:.2e}", file=sys.stderr)
+        times = {name: [] for name in calls}
+        if device.type == "cuda":
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    times[name].append(graph_ms(call, rep_ms=100))
+        base = min(times[next(iter(calls))], default=float("nan"))
+        for name in calls:
+            best = min(times[name], default=float("nan"))
+            rows.append(dict(source=name, kernel=pass_name, M=m, N=n, grid=grid, block=f"{cfg.block_m}x{cfg.block_n}",
+                             warps=cfg.num_warps, groups=cfg.row_groups(m)[1], ms=best,
+                             median_ms=statistics.median(times[name]) if times[name] else float("nan"),
+                             vs_first=base / best if best == best else float("nan"),
+                             GBps=m * n * nbytes / best / 1e6 if best == best else float("nan"),
+                             ok=str(checks[name])))
+            print_table(rows[-1:], list(rows[-1]))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", action="append", required=True, metavar="NAME=PATH",
+                        help="a copy of kernels/dact_dbias_quantize.py; the first is the baseline")
+    parser.add_argument("--passes", default="dbias_quantize,dact_dbias_quantize")
+    parser.add_argument("--sizes", default=None, help="MxN,... (default: the kernel table's sizes; 64x96,130x40 on CPU)")
+    parser.add_argument("--grids", default="shipped", help="shipped and/or tK (K row tiles per program), comma-separated")
+    parser.add_argument("--tiles", default=None, help="block_m,block_n,warps,loop_stages,prefetch for the tK grids")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="results/kernel_revisions")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sources = {}
+    for spec in args.source:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.isidentifier():
+            raise ValueError(f"--source {spec!r}: expected NAME=PATH with NAME a Python identifier")
+        sources[name] = load_source(name, path)
+    passes = args.passes.split(",")
+    for p in passes:
+        if p not in PASSES:
+            raise ValueError(f"--passes: {p!r} is not one of {', '.join(PASSES)}")
+    default_sizes = "8192x3072,16384x6400,32768x8192,16384x16384" if device.type == "cuda" else "64x96,130x40"
+    tiles = tuple(int(v) for v in args.tiles.split(",")) if args.tiles else None
+    if tiles is not None and len(tiles) != 5:
+        raise ValueError(f"--tiles {args.tiles!r}: expected 5 integers block_m,block_n,warps,loop_stages,prefetch")
+    rows = compare(sources, parse_sizes(args.sizes or default_sizes), passes, args.grids.split(","), tiles,
+                   args.rounds, device)
+    write_results(args.out, "revisions", rows, {"sources": dict(s.partition("=")[::2] for s in args.source)})
+    print(environment())
+    print_table(rows, ["source", "kernel", "M", "N", "grid", "block", "groups", "ms", "median_ms", "vs_first", "ok"])
+    if not all(r["ok"] == "True" for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""benchmarks/kernel_revisions.py, the same-run A/B of kernel source revisions: it must load copies
+of the kernel module beside the installed one, and its checks must catch a copy that writes a
+wrong byte, or its timings could rank a broken kernel first. Run on CPU it checks without timing."""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# the module, not the function the package exports under the same name
+shipped = importlib.import_module("lightning_fuse.kernels.dact_dbias_quantize")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_revisions.py"
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks alone run on CPU")
+
+
+def _run(tmp_path, *sources):
+    args = [arg for name, path in sources for arg in ("--source", f"{name}={path}")]
+    return subprocess.run([sys.executable, str(SCRIPT), *args, "--sizes", "64x96", "--grids", "shipped,t2",
+                           "--out", str(tmp_path / "out")], cwd=SCRIPT.parent, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_two_copies_of_the_shipped_source_pass_every_check(tmp_path):
+    copy = tmp_path / "copy.py"
+    copy.write_text(Path(shipped.__file__).read_text())
+    result = _run(tmp_path, ("shipped", shipped.__file__), ("copy", copy))
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = result.stdout.splitlines()
+    # 2 passes x 2 grids, one row per source each, all checked
+    assert sum(" True" in line and ("shipped " in line or "copy " in line) for line in table) >= 8
+    assert (tmp_path / "out" / "revisions.csv").exists()
+
+
+def test_a_copy_with_a_wrong_transposed_byte_is_flagged(tmp_path):
+    source = Path(shipped.__file__).read_text()
+    packing = "words = c0 | (c1 << 8)"
+    assert packing in source
+    broken = tmp_path / "broken.py"
+    broken.write_text(source.replace(packing, "words = c0 | (c0 << 8)"))
+    result = _run(tmp_path, ("shipped", shipped.__file__), ("broken", broken))
+    assert result.returncode == 1
+    assert "CHECK FAILED broken" in result.stderr
+
+
+def test_a_source_that_is_not_the_kernel_module_is_refused(tmp_path):
+    other = tmp_path / "other.py"
+    other.write_text("x = 1\n")
+    result = _run(tmp_path, ("other", other))
+    assert result.returncode != 0
+    assert "has no _launch; expected a copy of kernels/dact_dbias_quantize.py" in result.stderr

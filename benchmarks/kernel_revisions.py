@@ -5,8 +5,9 @@ Each ``--source NAME=PATH`` is a copy of ``kernels/dact_dbias_quantize.py`` from
 package as a module of its own (its relative imports resolve to the installed ``_launch``,
 ``activations`` and ``fp8``; its ``triton_op`` registrations are skipped), so all of them run in
 one process, on the same data, on the same card. Each pass is launched through the copy's own
-``_launch`` with the launch the installed library picks (grid ``shipped``) or with a grid of ``K``
-row tiles per program (``tK``), and optionally other tiles (``--tiles``).
+``_launch`` with the launch the installed library picks (grid ``shipped``), with ``K`` row tiles
+per program (``tK``) or whole waves of ``K`` programs per multiprocessor (``pK``), and optionally
+other tiles (``--tiles``).
 
 Every launch is checked first: the transposed copy equal to the row-wise one in every byte, the
 row-wise codes equal to the first source's, the bias gradient within 1e-5 of a float64 sum. Then
@@ -64,20 +65,26 @@ def load_source(name: str, path: str | Path):
 
 
 def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str, tiles: tuple | None) -> LaunchConfig:
-    """The launch for ``grid``: ``shipped`` (the installed library's rule), or ``tK`` (``K`` row tiles
-    per program) with the shipped tiles or ``tiles`` = (block_m, block_n, warps, loop stages, prefetch)."""
+    """The launch for ``grid``: ``shipped`` (the installed library's rule, its tiles), ``tK`` (``K`` row tiles per
+    program) or ``pK`` (the shipped rules' fewest whole waves filled to 85% at ``K`` programs per
+    multiprocessor, none over 8192 rows), with the shipped tiles or ``tiles`` = (block_m, block_n,
+    warps, loop stages, prefetch)."""
     shipped = launch_config(pass_name, m, n, device)
     if tiles is None:
         tiles = (shipped.block_m, shipped.block_n, shipped.num_warps, shipped.loop_stages, int(shipped.prefetch))
     block_m, block_n, warps, stages, prefetch = tiles
     if grid == "shipped":
-        if tiles[:4] != (shipped.block_m, shipped.block_n, shipped.num_warps, shipped.loop_stages):
-            raise ValueError(f"grid 'shipped' takes the shipped tiles, got --tiles {tiles}")
         return shipped
-    if not (grid.startswith("t") and grid[1:].isdigit() and int(grid[1:]) > 0):
-        raise ValueError(f"grid {grid!r}: expected 'shipped' or tK with K >= 1 row tiles per program")
-    rule = LaunchRule(block_m, block_n, warps, stages, 1, True, prefetch=bool(prefetch), tiles_per_program=int(grid[1:]),
-                      min_waves=0)
+    kind, count = grid[:1], grid[1:]
+    if kind not in ("t", "p") or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"grid {grid!r}: expected 'shipped', tK (K row tiles per program) or pK (whole waves of K "
+                         f"programs per multiprocessor), K >= 1")
+    if kind == "t":
+        rule = LaunchRule(block_m, block_n, warps, stages, 1, True, prefetch=bool(prefetch),
+                          tiles_per_program=int(count), min_waves=0)
+    else:
+        rule = LaunchRule(block_m, block_n, warps, stages, int(count), True, prefetch=bool(prefetch),
+                          max_rows_per_program=8192)
     return _pick_config(m, n, device, rule)
 
 
@@ -88,55 +95,74 @@ def _inputs(m, n, device):
     return grad, pre
 
 
-def compare(sources: dict, sizes, passes, grids, tiles, rounds: int, device: torch.device):
+def compare(sources: dict, sizes, passes, grids, tile_sets, rounds: int, device: torch.device):
     rows = []
-    for (m, n), pass_name, grid in itertools.product(sizes, passes, grids):
+    for (m, n), pass_name in itertools.product(sizes, passes):
         activation, nbytes = PASSES[pass_name]
         grad, pre = _inputs(m, n, device)
         scale = torch.tensor(2048.0, device=device)
         amax = torch.zeros(1, device=device)
-        cfg = grid_config(pass_name, m, n, device, grid, tiles)
-        outs = {}
-
-        def launcher(module):
-            out = torch.empty(m, n, dtype=torch.uint8, device=device)
-            out_t = torch.empty(n, m, dtype=torch.uint8, device=device)
-            dbias = torch.empty(n, dtype=torch.float32, device=device)
-            outs[module] = (out, out_t, dbias)
-            return lambda: module._launch(grad, pre if activation else None, activation, scale, E5M2, amax, True,
-                                          True, True, cfg, out, out_t, dbias, False)
-
-        calls = {name: launcher(module) for name, module in sources.items()}
-        dx = grad.double() * (activation_derivative_reference(pre.double(), "gelu_tanh") if activation else 1)
-        ref_dbias = dx.sum(0)
-        first_codes = None
-        checks = {}
-        for name, call in calls.items():
-            out, out_t, dbias = outs[sources[name]]
-            out.fill_(255)
-            out_t.fill_(255)
-            call()
-            first_codes = out.clone() if first_codes is None else first_codes
-            rel = ((dbias.double() - ref_dbias).norm() / ref_dbias.norm()).item()
-            checks[name] = (torch.equal(out_t, out.t()) and torch.equal(out, first_codes) and rel < 1e-5)
-            if not checks[name]:
-                print(f"CHECK FAILED {name} {pass_name} {m}x{n} {grid}: dbias rel {rel:.2e}", file=sys.stderr)
-        times = {name: [] for name in calls}
-        if device.type == "cuda":
-            for _ in range(rounds):
-                for name, call in calls.items():
-                    times[name].append(graph_ms(call, rep_ms=100))
-        base = min(times[next(iter(calls))], default=float("nan"))
-        for name in calls:
-            best = min(times[name], default=float("nan"))
-            rows.append(dict(source=name, kernel=pass_name, M=m, N=n, grid=grid, block=f"{cfg.block_m}x{cfg.block_n}",
-                             warps=cfg.num_warps, groups=cfg.row_groups(m)[1], ms=best,
-                             median_ms=statistics.median(times[name]) if times[name] else float("nan"),
-                             vs_first=base / best if best == best else float("nan"),
-                             GBps=m * n * nbytes / best / 1e6 if best == best else float("nan"),
-                             ok=str(checks[name])))
-            print_table(rows[-1:], list(rows[-1]))
+        configs = {}  # one launch per distinct configuration, named by the first grid that gives it
+        for grid, tiles in itertools.product(grids, tile_sets):
+            configs.setdefault(grid_config(pass_name, m, n, device, grid, tiles), grid)
+        for cfg, grid in configs.items():
+            rows += _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, cfg, grid, rounds, device)
     return rows
+
+
+def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, cfg, grid, rounds, device):
+    """Checks and times one launch configuration of one pass under every source."""
+    rows = []
+    activation, nbytes = PASSES[pass_name]
+    outs = {}
+
+    def launcher(module):
+        out = torch.empty(m, n, dtype=torch.uint8, device=device)
+        out_t = torch.empty(n, m, dtype=torch.uint8, device=device)
+        dbias = torch.empty(n, dtype=torch.float32, device=device)
+        outs[module] = (out, out_t, dbias)
+        return lambda: module._launch(grad, pre if activation else None, activation, scale, E5M2, amax, True,
+                                      True, True, cfg, out, out_t, dbias, False)
+
+    calls = {name: launcher(module) for name, module in sources.items()}
+    dx = grad.double() * (activation_derivative_reference(pre.double(), "gelu_tanh") if activation else 1)
+    ref_dbias = dx.sum(0)
+    first_codes = None
+    checks = {}
+    for name, call in calls.items():
+        out, out_t, dbias = outs[sources[name]]
+        out.fill_(255)
+        out_t.fill_(255)
+        call()
+        first_codes = out.clone() if first_codes is None else first_codes
+        rel = ((dbias.double() - ref_dbias).norm() / ref_dbias.norm()).item()
+        checks[name] = (torch.equal(out_t, out.t()) and torch.equal(out, first_codes) and rel < 1e-5)
+        if not checks[name]:
+            print(f"CHECK FAILED {name} {pass_name} {m}x{n} {grid}: dbias rel {rel:.2e}", file=sys.stderr)
+    times = {name: [] for name in calls}
+    if device.type == "cuda":
+        for _ in range(rounds):
+            for name, call in calls.items():
+                times[name].append(graph_ms(call, rep_ms=100))
+    base = min(times[next(iter(calls))], default=float("nan"))
+    for name in calls:
+        best = min(times[name], default=float("nan"))
+        rows.append(dict(source=name, kernel=pass_name, M=m, N=n, grid=grid, block=f"{cfg.block_m}x{cfg.block_n}",
+                         warps=cfg.num_warps, stages=cfg.loop_stages, prefetch=cfg.prefetch,
+                         groups=cfg.row_groups(m)[1], ms=best,
+                         median_ms=statistics.median(times[name]) if times[name] else float("nan"),
+                         vs_first=base / best if best == best else float("nan"),
+                         GBps=m * n * nbytes / best / 1e6 if best == best else float("nan"),
+                         ok=str(checks[name])))
+        print_table(rows[-1:], list(rows[-1]))
+    return rows
+
+
+def _tiles(spec: str) -> tuple:
+    values = spec.split(",")
+    if len(values) != 5 or not all(v.isdigit() for v in values):
+        raise ValueError(f"--tiles {spec!r}: expected 5 integers block_m,block_n,warps,loop_stages,prefetch")
+    return tuple(int(v) for v in values)
 
 
 def main():
@@ -145,8 +171,9 @@ def main():
                         help="a copy of kernels/dact_dbias_quantize.py; the first is the baseline")
     parser.add_argument("--passes", default="dbias_quantize,dact_dbias_quantize")
     parser.add_argument("--sizes", default=None, help="MxN,... (default: the kernel table's sizes; 64x96,130x40 on CPU)")
-    parser.add_argument("--grids", default="shipped", help="shipped and/or tK (K row tiles per program), comma-separated")
-    parser.add_argument("--tiles", default=None, help="block_m,block_n,warps,loop_stages,prefetch for the tK grids")
+    parser.add_argument("--grids", default="shipped", help="shipped, tK (K row tiles per program) or pK (whole waves of K programs per multiprocessor), comma-separated")
+    parser.add_argument("--tiles", action="append", help="block_m,block_n,warps,loop_stages,prefetch for the tK and pK "
+                        "grids (repeatable; default: the shipped launch's)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="results/kernel_revisions")
     args = parser.parse_args()
@@ -162,14 +189,12 @@ def main():
         if p not in PASSES:
             raise ValueError(f"--passes: {p!r} is not one of {', '.join(PASSES)}")
     default_sizes = "8192x3072,16384x6400,32768x8192,16384x16384" if device.type == "cuda" else "64x96,130x40"
-    tiles = tuple(int(v) for v in args.tiles.split(",")) if args.tiles else None
-    if tiles is not None and len(tiles) != 5:
-        raise ValueError(f"--tiles {args.tiles!r}: expected 5 integers block_m,block_n,warps,loop_stages,prefetch")
-    rows = compare(sources, parse_sizes(args.sizes or default_sizes), passes, args.grids.split(","), tiles,
+    tile_sets = [_tiles(spec) for spec in args.tiles] if args.tiles else [None]
+    rows = compare(sources, parse_sizes(args.sizes or default_sizes), passes, args.grids.split(","), tile_sets,
                    args.rounds, device)
     write_results(args.out, "revisions", rows, {"sources": dict(s.partition("=")[::2] for s in args.source)})
     print(environment())
-    print_table(rows, ["source", "kernel", "M", "N", "grid", "block", "groups", "ms", "median_ms", "vs_first", "ok"])
+    print_table(rows, ["source", "kernel", "M", "N", "grid", "block", "warps", "stages", "prefetch", "groups", "ms", "median_ms", "vs_first", "ok"])
     if not all(r["ok"] == "True" for r in rows):
         sys.exit(1)
 

@@ -289,6 +289,12 @@ def _arrival_counters(device: torch.device, strips: int) -> Optional[torch.Tenso
     return _COUNTERS[(device, stream)]
 
 
+def _pass_name(activation: int, compute_dbias: bool) -> str:
+    """The ``LAUNCH_RULES`` entry of a pass: with an activation, without one but with the bias
+    gradient, or the plain cast."""
+    return "dact_dbias_quantize" if activation else ("dbias_quantize" if compute_dbias else "quantize")
+
+
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
             compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool):
     """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs (``out_t``/``dbias`` may be
@@ -428,8 +434,7 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
         out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                           fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
         return out.view(grad.shape), out_t, (dbias.to(dbias_dtype) if compute_dbias else None)
-    name = "dact_dbias_quantize" if act else ("dbias_quantize" if compute_dbias else "quantize")
-    cfg = launch_config(name, g2.shape[0], n, g2.device)
+    cfg = launch_config(_pass_name(act, compute_dbias), g2.shape[0], n, g2.device)
     if scale is not None and scale.dim() != 0:
         scale = scale.reshape(())
     if torch.compiler.is_compiling():
@@ -533,17 +538,21 @@ def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], a
                         traced: bool, dbias_dtype: torch.dtype,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = grad.shape
-    cfg = launch_config("dact_dbias_quantize" if activation else "dbias_quantize", m, n, grad.device)
+    # Pass 1 reads and reduces as the one-pass form does; pass 2 sums no bias gradient, so without an
+    # activation it is the cast and takes the cast's launch.
+    first = launch_config(_pass_name(activation, compute_dbias), m, n, grad.device)
+    second = launch_config(_pass_name(activation, False), m, n, grad.device)
     out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     dbias = torch.zeros((n if compute_dbias else 0,), dtype=dbias_dtype, device=grad.device)
     if m == 0:  # an empty batch: amax 0, so scale 1, as _scale_from_amax gives
         return out, out_t, dbias, torch.ones((), dtype=torch.float32, device=grad.device)
     # Pass 1: amax (and bias gradient); nothing written per element.
-    _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, cfg, out, out_t, dbias, traced)
+    _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, first, out, out_t, dbias, traced)
     scale = _scale_from_amax(amax, fp8_max, margin)
     # Pass 2: the FP8 copies with the scale pass 1 produced.
-    _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, cfg, out, out_t, dbias, traced)
+    _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, second, out, out_t, dbias,
+            traced)
     return out, out_t, dbias, scale
 
 

@@ -290,6 +290,36 @@ def test_current_scaling_uses_the_tensors_own_amax(fp8_dtype):
     assert q.float().abs().max().item() == FP8_FORMATS[fp8_dtype].max
 
 
+@pytest.mark.parametrize(("activation", "compute_dbias", "expected"), [
+    ("gelu", True, ["dact_dbias_quantize", "dact_dbias_quantize"]),
+    (None, True, ["dbias_quantize", "quantize"]),
+    (None, False, ["quantize", "quantize"]),
+])
+def test_current_scaling_passes_take_the_launch_rules_of_what_they_compute(monkeypatch, activation, compute_dbias,
+                                                                          expected):
+    # Pass 2 sums no bias gradient: without an activation it is the cast, launched as `quantize` is.
+    module = importlib.import_module("lightning_fuse.kernels.dact_dbias_quantize")
+    names, real = [], module.launch_config
+
+    def recording(name, m, n, device):
+        names.append(name)
+        return real(name, m, n, device)
+
+    monkeypatch.setattr(module, "launch_config", recording)
+    grad, pre = _inputs((40,), 64, torch.bfloat16)
+    dx, dx_t, dbias, amax, scale = dact_dbias_quantize_current_scaling(
+        grad, pre if activation else None, activation, fp8_dtype=torch.float8_e5m2, transpose=True,
+        compute_dbias=compute_dbias)
+    assert names == expected
+    dx64 = _reference(grad, pre, activation) if activation else grad.double()
+    assert_fp8_close(dx.cpu(), quantize_reference(dx64.cpu(), scale.cpu().double(), torch.float8_e5m2))
+    assert torch.equal(dx_t.view(torch.uint8), dx.view(torch.uint8).t())
+    if compute_dbias:
+        _check_dbias(dbias.cpu(), dx64.cpu())
+    else:
+        assert dbias is None
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_act(activation, dtype):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the GPU tests and every benchmark on one GPU, each under its own time limit, and writes
+# Runs the GPU tests and the benchmarks on one GPU, each under its own time limit, and writes
 # results (CSV, JSON, PNG, logs) under $1 (default: results/). A short summary is printed last.
 #
 #   bash benchmarks/run_all.sh results
@@ -26,7 +26,7 @@ step() {  # name, limit, command...
 }
 : > "$out/summary.txt"
 tests="${TEST_FILES:-test_gpu.py test_scale_update.py test_handoff.py}"
-step gpu_tests "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider $(for t in $tests; do echo "$root/tests/$t"; done)
+step gpu_tests "${TESTS_S:-300}" python -m pytest -q -p no:cacheprovider $(for t in $tests; do echo "$root/tests/$t"; done)
 step overhead "${OVERHEAD_S:-60}" python bench_overhead.py --out "$out/overhead"
 step kernels "${KERNELS_S:-300}" python bench_kernels.py --out "$out/kernels"
 step copy_ceiling "${CEILING_S:-120}" python copy_ceiling.py --out "$out/copy_ceiling"

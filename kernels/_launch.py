@@ -74,7 +74,7 @@ def launcher(kernel, traced: bool):
     """How a launcher calls ``kernel``: through ``wrap_triton`` while ``torch.compile`` traces the
     registered op (so the graph holds the kernel), directly in eager mode. The wrapped call in eager
     mode goes through a higher-order-op dispatch that cost 0.6-2.5 ms of CPU time per launch on an
-    H200 host (benchmarks/bench_overhead.py), ten to eighty times the kernels' own device time.
+    H200 host (benchmarks/bench_overhead.py), 12 to 87 times the kernels' own device time.
     """
     return wrap_triton(kernel) if traced else kernel
 
@@ -141,8 +141,8 @@ class LaunchConfig:
     max_registers: int = 0  # per-thread register cap for the compiler (0: its choice); eager launches only
     # Row tiles dealt to the groups in turn (group g takes tiles g, g + groups, ...) instead of one
     # contiguous range per group, so programs running side by side write neighbouring bytes of each
-    # transposed row. A sweep knob for eager launches (like max_registers): 3-4% faster at 8192x3072,
-    # 8-17% slower at 16384x16384 (BENCHMARKS.md); the launch rules keep contiguous ranges.
+    # transposed row. A sweep knob for eager launches (like max_registers): 3-5% faster at 8192x3072,
+    # 17-18% slower at 16384x16384 (BENCHMARKS.md); the launch rules keep contiguous ranges.
     cyclic_rows: bool = False
     # Each tile's inputs loaded one iteration ahead into registers (the loop carries them), so a
     # program has two tiles' loads in flight without the shared-memory round trip of a pipelined loop.
@@ -207,8 +207,8 @@ _MAX_WAVES = 4
 # The fastest of the launch sweeps on an H200 (benchmarks/bench_kernels.py --sweep; BENCHMARKS.md).
 # The passes tile by four interleaved row sets (block_m / 4 rows each): these tiles give each thread
 # 16-byte loads of bf16 rows. Whole waves at the compiled kernels' residency on an H200 (3, 2, 4 and
-# 5 programs per multiprocessor): one wave where its programs fill 85% of the slots, else two
-# (N = 16384: one wave of 2 row groups x 256 strips would fill 78%).
+# 5 programs per multiprocessor): the fewest waves, up to 4, whose programs fill 85% of their slots
+# (N = 6400 in the fused pass: one wave of 3 row groups x 100 strips would fill 76%, two fill 88%).
 # Every pass loads each tile's inputs one iteration ahead (``prefetch``): two tiles in flight per
 # program, against one without (the bias gradient: 2-4% faster at the two smaller sizes of
 # BENCHMARKS.md; the activation 3-9% at four of five sizes; the cast 2-5%) or three through shared
@@ -218,16 +218,16 @@ _MAX_WAVES = 4
 # than a tenth of the slots idle the two-deep form is the faster (16384x6400: 5 row groups x 100
 # strips fill one wave to 95%, against two waves filled to 88%).
 # The backward passes' programs walk at most 8192 rows (``max_rows_per_program``): two waves of
-# shorter programs instead of one were 1-3% faster where one wave's programs would walk 16384 or
-# more rows (the bias gradient in 128 x 64 tiles at 32768x8192 and 16384x16384, the fused pass at
-# 32768x8192), and slower where they walk fewer (8192x3072, 16384x6400). The bias gradient's pass
+# shorter programs instead of one were 1-3% faster for the bias gradient where one wave's programs
+# walk 16384 rows (128 x 64 tiles at 32768x8192 and 16384x16384), 0.9% for the fused pass at
+# 32768x8192 (10944 rows), and slower where programs walk fewer (8192x3072, 16384x6400). The bias gradient's pass
 # runs 128 x 64 tiles of 8 warps: 3-4% faster than 64 x 64 tiles of 4 warps at those two sizes, as
 # fast at the other two.
 # The two passes without a bias gradient, the cast and the forward activation, give each program a
-# few row tiles where that makes 4 waves or more (``tiles_per_program``): two for the cast, 1.03-1.10x
-# faster than whole waves and 1.01-1.03x faster than four tiles; four for the activation, 1.03-1.09x
+# few row tiles where that makes 4 waves or more (``tiles_per_program``): two for the cast, 1.03-1.11x
+# faster than whole waves and 1.02-1.03x faster than four tiles; four for the activation, 1.03-1.10x
 # faster than whole waves. The backward passes keep whole waves: in programs of two or four row
-# tiles they measured 5-25% slower.
+# tiles they measured 5-31% slower.
 LAUNCH_RULES: dict[str, LaunchRule] = {
     "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True, max_rows_per_program=8192,
                                       alternative=LaunchRule(64, 64, 4, 2, 4, True), keep_fill=0.9),

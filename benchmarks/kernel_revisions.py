@@ -1,4 +1,4 @@
-"""Same-run A/B of revisions of the backward passes' kernel source (GPU).
+"""Same-run A/B of revisions of the kernel source of the backward passes and the cast (GPU).
 
 Each ``--source NAME=PATH`` is a copy of ``kernels/dact_dbias_quantize.py`` from some revision
 (``git show REV:kernels/dact_dbias_quantize.py > PATH``). Every copy is loaded beside the installed
@@ -10,7 +10,8 @@ per program (``tK``) or whole waves of ``K`` programs per multiprocessor (``pK``
 other tiles (``--tiles``).
 
 Every launch is checked first: the transposed copy equal to the row-wise one in every byte, the
-row-wise codes equal to the first source's, the bias gradient within 1e-5 of a float64 sum. Then
+row-wise codes equal to the first source's, the bias gradient (where the pass has one) within 1e-5
+of a float64 sum. Then
 the sources are timed in turn (CUDA-graph replays, median), ``--rounds`` times over, so a drift of
 the card over the run falls on every source alike; the table gives each source's fastest round and
 its ratio to the first source's.
@@ -37,9 +38,10 @@ from common import environment, graph_ms, parse_sizes, print_table, write_result
 from lightning_fuse.kernels import activation_derivative_reference
 from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
 
-# pass -> (activation id: 2 is gelu_tanh, 0 none; bytes per element with bf16 inputs)
-PASSES = {"dact_dbias_quantize": (2, 6), "dbias_quantize": (0, 4)}
-E5M2 = 2  # the FP8 code of e5m2, the gradients' format
+# pass -> (activation id: 2 is gelu_tanh, 0 none; bytes per element with bf16 inputs; bias gradient;
+# FP8 code: 2 e5m2, the gradients' format, 1 e4m3, the cast's; scale)
+PASSES = {"dact_dbias_quantize": (2, 6, True, 2, 2048.0), "dbias_quantize": (0, 4, True, 2, 2048.0),
+          "quantize": (0, 4, False, 1, 32.0)}
 
 
 def load_source(name: str, path: str | Path):
@@ -98,9 +100,8 @@ def _inputs(m, n, device):
 def compare(sources: dict, sizes, passes, grids, tile_sets, rounds: int, device: torch.device):
     rows = []
     for (m, n), pass_name in itertools.product(sizes, passes):
-        activation, nbytes = PASSES[pass_name]
         grad, pre = _inputs(m, n, device)
-        scale = torch.tensor(2048.0, device=device)
+        scale = torch.tensor(PASSES[pass_name][4], device=device)
         amax = torch.zeros(1, device=device)
         configs = {}  # one launch per distinct configuration, named by the first grid that gives it
         for grid, tiles in itertools.product(grids, tile_sets):
@@ -113,7 +114,7 @@ def compare(sources: dict, sizes, passes, grids, tile_sets, rounds: int, device:
 def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, cfg, grid, rounds, device):
     """Checks and times one launch configuration of one pass under every source."""
     rows = []
-    activation, nbytes = PASSES[pass_name]
+    activation, nbytes, with_dbias, fp8_code, _ = PASSES[pass_name]
     outs = {}
 
     def launcher(module):
@@ -121,8 +122,8 @@ def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, cfg, grid, ro
         out_t = torch.empty(n, m, dtype=torch.uint8, device=device)
         dbias = torch.empty(n, dtype=torch.float32, device=device)
         outs[module] = (out, out_t, dbias)
-        return lambda: module._launch(grad, pre if activation else None, activation, scale, E5M2, amax, True,
-                                      True, True, cfg, out, out_t, dbias, False)
+        return lambda: module._launch(grad, pre if activation else None, activation, scale, fp8_code, amax, True,
+                                      with_dbias, True, cfg, out, out_t, dbias, False)
 
     calls = {name: launcher(module) for name, module in sources.items()}
     dx = grad.double() * (activation_derivative_reference(pre.double(), "gelu_tanh") if activation else 1)
@@ -135,7 +136,7 @@ def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, cfg, grid, ro
         out_t.fill_(255)
         call()
         first_codes = out.clone() if first_codes is None else first_codes
-        rel = ((dbias.double() - ref_dbias).norm() / ref_dbias.norm()).item()
+        rel = ((dbias.double() - ref_dbias).norm() / ref_dbias.norm()).item() if with_dbias else 0.0
         checks[name] = (torch.equal(out_t, out.t()) and torch.equal(out, first_codes) and rel < 1e-5)
         if not checks[name]:
             print(f"CHECK FAILED {name} {pass_name} {m}x{n} {grid}: dbias rel {rel:.2e}", file=sys.stderr)

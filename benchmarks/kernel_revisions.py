@@ -11,10 +11,9 @@ other tiles (``--tiles``).
 
 Every launch is checked first: the transposed copy equal to the row-wise one in every byte, the
 row-wise codes equal to the first source's, the bias gradient (where the pass has one) within 1e-5
-of a float64 sum. Then
-the sources are timed in turn (CUDA-graph replays, median), ``--rounds`` times over, so a drift of
-the card over the run falls on every source alike; the table gives each source's fastest round and
-its ratio to the first source's.
+of a float64 sum. Then the sources are timed in turn (CUDA-graph replays, median), ``--rounds``
+times over, so a drift of the card over the run falls on every source alike; the table gives each
+source's fastest round and its ratio to the first source's.
 
     git show main:kernels/dact_dbias_quantize.py > /tmp/main.py
     python benchmarks/kernel_revisions.py --source main=/tmp/main.py --source new=kernels/dact_dbias_quantize.py

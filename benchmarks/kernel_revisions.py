@@ -13,7 +13,8 @@ Every launch is checked first: the transposed copy equal to the row-wise one in 
 row-wise codes equal to the first source's, the bias gradient (where the pass has one) within 1e-5
 of a float64 sum. Then the sources are timed in turn (CUDA-graph replays, median), ``--rounds``
 times over, so a drift of the card over the run falls on every source alike; the table gives each
-source's fastest round and its ratio to the first source's.
+source's fastest round, its ratio to the first source's, and its bytes' rate as a fraction of the
+copy bandwidth measured at the start of the run.
 
     git show main:kernels/dact_dbias_quantize.py > /tmp/main.py
     python benchmarks/kernel_revisions.py --source main=/tmp/main.py --source new=kernels/dact_dbias_quantize.py
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.library
 
-from common import environment, graph_ms, parse_sizes, print_table, write_results
+from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
 from lightning_fuse.kernels import activation_derivative_reference
 from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
 
@@ -190,11 +191,16 @@ def main():
             raise ValueError(f"--passes: {p!r} is not one of {', '.join(PASSES)}")
     default_sizes = "8192x3072,16384x6400,32768x8192,16384x16384" if device.type == "cuda" else "64x96,130x40"
     tile_sets = [_tiles(spec) for spec in args.tiles] if args.tiles else [None]
+    copy_gbps = copy_bandwidth_gbps() if device.type == "cuda" else float("nan")
     rows = compare(sources, parse_sizes(args.sizes or default_sizes), passes, args.grids.split(","), tile_sets,
                    args.rounds, device)
-    write_results(args.out, "revisions", rows, {"sources": dict(s.partition("=")[::2] for s in args.source)})
-    print(environment())
-    print_table(rows, ["source", "kernel", "M", "N", "grid", "block", "warps", "stages", "prefetch", "groups", "ms", "median_ms", "vs_first", "ok"])
+    for row in rows:
+        row["frac_copy"] = row["GBps"] / copy_gbps
+    write_results(args.out, "revisions", rows, {"sources": dict(s.partition("=")[::2] for s in args.source),
+                                                "copy_GBps": copy_gbps})
+    print(environment(), f"copy bandwidth {copy_gbps:.0f} GB/s")
+    print_table(rows, ["source", "kernel", "M", "N", "grid", "block", "warps", "stages", "prefetch", "groups", "ms",
+                       "median_ms", "vs_first", "frac_copy", "ok"])
     if not all(r["ok"] == "True" for r in rows):
         sys.exit(1)
 

@@ -52,3 +52,15 @@ def test_a_source_that_is_not_the_kernel_module_is_refused(tmp_path):
     result = _run(tmp_path, ("other", other))
     assert result.returncode != 0
     assert "has no _launch; expected a copy of kernels/dact_dbias_quantize.py" in result.stderr
+
+
+def test_a_first_source_that_scales_wrong_is_flagged_though_its_copies_agree(tmp_path):
+    # Both copies of a wrong cast agree with each other; the float64 reference is what catches it.
+    source = Path(shipped.__file__).read_text()
+    cast = "codes = fp8_codes(x * scale, FP8_FORMAT, ENCODER)"
+    assert cast in source
+    doubled = tmp_path / "doubled.py"
+    doubled.write_text(source.replace(cast, "codes = fp8_codes(x * scale * 2, FP8_FORMAT, ENCODER)"))
+    result = _run(tmp_path, ("doubled", doubled))
+    assert result.returncode == 1
+    assert "CHECK FAILED doubled" in result.stderr

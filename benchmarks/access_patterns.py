@@ -82,7 +82,8 @@ def _grid(m, n, bm, bn, per_sm, sms):
 
 
 def _variants(m, n, x, sms):
-    """(name, bytes per element, launch, check) for every pattern, tile and grid at ``m x n``, and the shipped passes."""
+    """(name, bytes per element, launch, check) for every pattern, tile and grid at ``m x n``, and the
+    shipped passes."""
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     out8 = torch.empty(m, n, dtype=torch.uint8, device="cuda")
     out_t = torch.empty(n, m, dtype=torch.uint8, device="cuda")

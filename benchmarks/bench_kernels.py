@@ -276,7 +276,8 @@ def plot(rows, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/kernels")
-    parser.add_argument("--sweep", action="store_true", help="also time launch configurations of the passes --sweep-kernel names")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time launch configurations of the passes --sweep-kernel names")
     parser.add_argument("--sweep-sizes", default="16384x6400", help="sizes the sweep runs at")
     parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep")
     parser.add_argument("--sweep-kernel", default="dact_dbias_quantize",
@@ -284,7 +285,8 @@ def main():
     parser.add_argument("--sweep-grid-only", action="store_true",
                         help="sweep only the number of programs, with the shipped tiles and pipelining")
     parser.add_argument("--sweep-grids", help="grids the sweep times, comma-separated (occ, occ2, fill, programs "
-                        "per multiprocessor, or tK: K row tiles per program); default occ,occ2,fill,8, with --sweep-grid-only occ,occ2,fill,2,4,8")
+                        "per multiprocessor, or tK: K row tiles per program); default occ,occ2,fill,8, with "
+                        "--sweep-grid-only occ,occ2,fill,2,4,8")
     parser.add_argument("--sweep-variants", help="the variants to sweep instead of SWEEP_VARIANTS, as "
                         "kernel:bm,bn,warps,stages[,max registers[,prefetch]] separated by ';' "
                         "(e.g. 'quantize:64,64,8,0;quantize:64,64,8,0,0,1')")

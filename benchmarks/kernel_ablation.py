@@ -17,8 +17,8 @@ import argparse
 
 import torch
 
-from common import (copy_bandwidth_gbps, environment, graph_ms, median_ms, parse_sizes, print_table, separate_sum_launch,
-                    write_results)
+from common import (copy_bandwidth_gbps, environment, graph_ms, median_ms, parse_sizes, print_table,
+                    separate_sum_launch, write_results)
 from lightning_fuse.kernels import bias_act
 from lightning_fuse.kernels._launch import launch_config
 from lightning_fuse.kernels.activations import activation_id

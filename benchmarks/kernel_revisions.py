@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.library
 
+from bench_kernels import SIZES
 from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
 from lightning_fuse.kernels import activation_derivative_reference, quantize_reference
 from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
@@ -68,9 +69,10 @@ def load_source(name: str, path: str | Path):
     return module
 
 
-def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str, tiles: tuple | None) -> LaunchConfig:
-    """The launch for ``grid``: ``shipped`` (the installed library's rule, its tiles), ``tK`` (``K`` row tiles per
-    program) or ``pK`` (the shipped rules' fewest whole waves filled to 85% at ``K`` programs per
+def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str,
+                tiles: tuple | None) -> LaunchConfig:
+    """The launch for ``grid``: ``shipped`` (the installed library's rule, its tiles), ``tK`` (``K`` row
+    tiles per program) or ``pK`` (the shipped rules' fewest whole waves filled to 85% at ``K`` programs per
     multiprocessor, none over 8192 rows), with the shipped tiles or ``tiles`` = (block_m, block_n,
     warps, loop stages, prefetch)."""
     shipped = launch_config(pass_name, m, n, device)
@@ -105,15 +107,25 @@ def compare(sources: dict, sizes, passes, grids, tile_sets, rounds: int, device:
         grad, pre = _inputs(m, n, device)
         scale = torch.tensor(PASSES[pass_name][4], device=device)
         amax = torch.zeros(1, device=device)
+        reference = _reference(pass_name, grad, pre, scale)
         configs = {}  # one launch per distinct configuration, named by the first grid that gives it
         for grid, tiles in itertools.product(grids, tile_sets):
             configs.setdefault(grid_config(pass_name, m, n, device, grid, tiles), grid)
         for cfg, grid in configs.items():
-            rows += _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, cfg, grid, rounds, device)
+            rows += _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, reference, cfg, grid, rounds,
+                                 device)
     return rows
 
 
-def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, cfg, grid, rounds, device):
+def _reference(pass_name, grad, pre, scale):
+    """The float64 values' codes (their own cast), amax and bias gradient: what every launch of the
+    pass at this size is checked against."""
+    activation, _, _, fp8_code, _ = PASSES[pass_name]
+    dx = grad.double() * (activation_derivative_reference(pre.double(), "gelu_tanh") if activation else 1)
+    return quantize_reference(dx, scale, FP8_DTYPES[fp8_code]).view(torch.uint8), dx.abs().max().item(), dx.sum(0)
+
+
+def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, reference, cfg, grid, rounds, device):
     """Checks and times one launch configuration of one pass under every source."""
     rows = []
     activation, nbytes, with_dbias, fp8_code, _ = PASSES[pass_name]
@@ -128,11 +140,8 @@ def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, cfg, grid, ro
                                       with_dbias, True, cfg, out, out_t, dbias, False)
 
     calls = {name: launcher(module) for name, module in sources.items()}
-    dx = grad.double() * (activation_derivative_reference(pre.double(), "gelu_tanh") if activation else 1)
-    ref_dbias = dx.sum(0)
-    # the float64 values' own cast: the first source's codes match it but for rounding-boundary ties
-    ref_codes = quantize_reference(dx, scale, FP8_DTYPES[fp8_code]).view(torch.uint8)
-    ref_amax = dx.abs().max().item()
+    # the first source's codes match the float64 values' own cast but for rounding-boundary ties
+    ref_codes, ref_amax, ref_dbias = reference
     first_codes = None
     checks = {}
     for name, call in calls.items():
@@ -181,8 +190,9 @@ def main():
     parser.add_argument("--source", action="append", required=True, metavar="NAME=PATH",
                         help="a copy of kernels/dact_dbias_quantize.py; the first is the baseline")
     parser.add_argument("--passes", default="dbias_quantize,dact_dbias_quantize")
-    parser.add_argument("--sizes", default=None, help="MxN,... (default: the kernel table's sizes; 64x96,130x40 on CPU)")
-    parser.add_argument("--grids", default="shipped", help="shipped, tK (K row tiles per program) or pK (whole waves of K programs per multiprocessor), comma-separated")
+    parser.add_argument("--sizes", help="MxN,... (default: the kernel table's sizes; 64x96,130x40 on CPU)")
+    parser.add_argument("--grids", default="shipped", help="shipped, tK (K row tiles per program) or pK (whole "
+                        "waves of K programs per multiprocessor), comma-separated")
     parser.add_argument("--tiles", action="append", help="block_m,block_n,warps,loop_stages,prefetch for the tK and pK "
                         "grids (repeatable; default: the shipped launch's)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -199,7 +209,7 @@ def main():
     for p in passes:
         if p not in PASSES:
             raise ValueError(f"--passes: {p!r} is not one of {', '.join(PASSES)}")
-    default_sizes = "8192x3072,16384x6400,32768x8192,16384x16384" if device.type == "cuda" else "64x96,130x40"
+    default_sizes = ",".join(f"{m}x{n}" for m, n in SIZES) if device.type == "cuda" else "64x96,130x40"
     tile_sets = [_tiles(spec) for spec in args.tiles] if args.tiles else [None]
     copy_gbps = copy_bandwidth_gbps() if device.type == "cuda" else float("nan")
     rows = compare(sources, parse_sizes(args.sizes or default_sizes), passes, args.grids.split(","), tile_sets,

@@ -220,9 +220,9 @@ _MAX_WAVES = 4
 # The backward passes' programs walk at most 8192 rows (``max_rows_per_program``): two waves of
 # shorter programs instead of one were 1-3% faster for the bias gradient where one wave's programs
 # walk 16384 rows (128 x 64 tiles at 32768x8192 and 16384x16384), 0.9% for the fused pass at
-# 32768x8192 (10944 rows), and slower where programs walk fewer (8192x3072, 16384x6400). The bias gradient's pass
-# runs 128 x 64 tiles of 8 warps: 3-4% faster than 64 x 64 tiles of 4 warps at those two sizes, as
-# fast at the other two.
+# 32768x8192 (10944 rows), and slower where programs walk fewer (8192x3072, 16384x6400). The bias
+# gradient's pass runs 128 x 64 tiles of 8 warps: 3-4% faster than 64 x 64 tiles of 4 warps at those
+# two sizes, as fast at the other two.
 # The two passes without a bias gradient, the cast and the forward activation, give each program a
 # few row tiles where that makes 4 waves or more (``tiles_per_program``): two for the cast, 1.03-1.11x
 # faster than whole waves and 1.02-1.03x faster than four tiles; four for the activation, 1.03-1.10x

@@ -24,6 +24,15 @@ def _run(tmp_path, *sources):
                           timeout=600)
 
 
+def _mutated(tmp_path, name, old, new):
+    """A copy of the shipped kernel source named ``name`` with ``old`` (which it must hold) replaced."""
+    source = Path(shipped.__file__).read_text()
+    assert old in source
+    path = tmp_path / f"{name}.py"
+    path.write_text(source.replace(old, new))
+    return path
+
+
 def test_two_copies_of_the_shipped_source_pass_every_check(tmp_path):
     copy = tmp_path / "copy.py"
     copy.write_text(Path(shipped.__file__).read_text())
@@ -36,11 +45,7 @@ def test_two_copies_of_the_shipped_source_pass_every_check(tmp_path):
 
 
 def test_a_copy_with_a_wrong_transposed_byte_is_flagged(tmp_path):
-    source = Path(shipped.__file__).read_text()
-    packing = "words = c0 | (c1 << 8)"
-    assert packing in source
-    broken = tmp_path / "broken.py"
-    broken.write_text(source.replace(packing, "words = c0 | (c0 << 8)"))
+    broken = _mutated(tmp_path, "broken", "words = c0 | (c1 << 8)", "words = c0 | (c0 << 8)")
     result = _run(tmp_path, ("shipped", shipped.__file__), ("broken", broken))
     assert result.returncode == 1
     assert "CHECK FAILED broken" in result.stderr
@@ -56,11 +61,8 @@ def test_a_source_that_is_not_the_kernel_module_is_refused(tmp_path):
 
 def test_a_first_source_that_scales_wrong_is_flagged_though_its_copies_agree(tmp_path):
     # Both copies of a wrong cast agree with each other; the float64 reference is what catches it.
-    source = Path(shipped.__file__).read_text()
-    cast = "codes = fp8_codes(x * scale, FP8_FORMAT, ENCODER)"
-    assert cast in source
-    doubled = tmp_path / "doubled.py"
-    doubled.write_text(source.replace(cast, "codes = fp8_codes(x * scale * 2, FP8_FORMAT, ENCODER)"))
+    doubled = _mutated(tmp_path, "doubled", "codes = fp8_codes(x * scale, FP8_FORMAT, ENCODER)",
+                       "codes = fp8_codes(x * scale * 2, FP8_FORMAT, ENCODER)")
     result = _run(tmp_path, ("doubled", doubled))
     assert result.returncode == 1
     assert "CHECK FAILED doubled" in result.stderr

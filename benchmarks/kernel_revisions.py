@@ -17,6 +17,11 @@ times over, so a drift of the card over the run falls on every source alike; the
 source's fastest round, its ratio to the first source's, and its bytes' rate as a fraction of the
 copy bandwidth measured at the start of the run.
 
+``--public`` adds the installed package's own function (``dact_dbias_quantize``, ``dbias_quantize``,
+``quantize``: outputs allocated on every call, the shipped launch) as one more source, ``public``, in
+the shipped grid: whether the public call and a launch into preallocated outputs time alike.
+``--scale`` sets the FP8 scale of every pass.
+
     git show main:kernels/dact_dbias_quantize.py > /tmp/main.py
     python benchmarks/kernel_revisions.py --source main=/tmp/main.py --source new=kernels/dact_dbias_quantize.py
 
@@ -37,7 +42,8 @@ import torch.library
 
 from bench_kernels import SIZES
 from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
-from lightning_fuse.kernels import activation_derivative_reference, quantize_reference
+from lightning_fuse.kernels import (activation_derivative_reference, dact_dbias_quantize, dbias_quantize, quantize,
+                                    quantize_reference)
 from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
 
 # pass -> (activation id: 2 is gelu_tanh, 0 none; bytes per element with bf16 inputs; bias gradient;
@@ -45,6 +51,7 @@ from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_confi
 PASSES = {"dact_dbias_quantize": (2, 6, True, 2, 2048.0), "dbias_quantize": (0, 4, True, 2, 2048.0),
           "quantize": (0, 4, False, 1, 32.0)}
 FP8_DTYPES = {1: torch.float8_e4m3fn, 2: torch.float8_e5m2}
+PUBLIC = object()  # the source ``--public`` adds: the installed package's own function, outputs allocated per call
 
 
 def load_source(name: str, path: str | Path):
@@ -101,18 +108,19 @@ def _inputs(m, n, device):
     return grad, pre
 
 
-def compare(sources: dict, sizes, passes, grids, tile_sets, rounds: int, device: torch.device):
+def compare(sources: dict, sizes, passes, grids, tile_sets, rounds: int, device: torch.device,
+            scale: float | None = None):
     rows = []
     for (m, n), pass_name in itertools.product(sizes, passes):
         grad, pre = _inputs(m, n, device)
-        scale = torch.tensor(PASSES[pass_name][4], device=device)
+        scale_t = torch.tensor(scale or PASSES[pass_name][4], device=device)
         amax = torch.zeros(1, device=device)
-        reference = _reference(pass_name, grad, pre, scale)
+        reference = _reference(pass_name, grad, pre, scale_t)
         configs = {}  # one launch per distinct configuration, named by the first grid that gives it
         for grid, tiles in itertools.product(grids, tile_sets):
             configs.setdefault(grid_config(pass_name, m, n, device, grid, tiles), grid)
         for cfg, grid in configs.items():
-            rows += _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, reference, cfg, grid, rounds,
+            rows += _compare_one(sources, pass_name, m, n, grad, pre, scale_t, amax, reference, cfg, grid, rounds,
                                  device)
     return rows
 
@@ -129,27 +137,43 @@ def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, reference, cf
     """Checks and times one launch configuration of one pass under every source."""
     rows = []
     activation, nbytes, with_dbias, fp8_code, _ = PASSES[pass_name]
-    outs = {}
+    fp8_dtype = FP8_DTYPES[fp8_code]
 
     def launcher(module):
-        out = torch.empty(m, n, dtype=torch.uint8, device=device)
-        out_t = torch.empty(n, m, dtype=torch.uint8, device=device)
-        dbias = torch.empty(n, dtype=torch.float32, device=device)
-        outs[module] = (out, out_t, dbias)
-        return lambda: module._launch(grad, pre if activation else None, activation, scale, fp8_code, amax, True,
-                                      with_dbias, True, cfg, out, out_t, dbias, False)
+        # 0xFF: an e5m2/e4m3 NaN, so a byte the launch never writes fails the checks
+        out = torch.full((m, n), 255, dtype=torch.uint8, device=device)
+        out_t = torch.full((n, m), 255, dtype=torch.uint8, device=device)
+        dbias = torch.full((n,), float("nan"), dtype=torch.float32, device=device)
 
-    calls = {name: launcher(module) for name, module in sources.items()}
+        def call():
+            module._launch(grad, pre if activation else None, activation, scale, fp8_code, amax, True, with_dbias,
+                           True, cfg, out, out_t, dbias, False)
+            return out, out_t, dbias
+        return call
+
+    def public_call():  # the installed package's own function: it allocates its outputs on every call
+        if pass_name == "quantize":
+            out, out_t = quantize(grad, scale=scale, fp8_dtype=fp8_dtype, amax=amax, transpose=True)
+            dbias = None
+        elif activation:
+            out, out_t, dbias = dact_dbias_quantize(grad, pre, "gelu_tanh", scale=scale, fp8_dtype=fp8_dtype,
+                                                    amax=amax, transpose=True)
+        else:
+            out, out_t, dbias = dbias_quantize(grad, scale=scale, fp8_dtype=fp8_dtype, amax=amax, transpose=True)
+        return out.view(torch.uint8), out_t.view(torch.uint8), dbias
+
+    calls = {name: (public_call if module is PUBLIC else launcher(module)) for name, module in sources.items()
+             if module is not PUBLIC or grid == "shipped"}
     # the first source's codes match the float64 values' own cast but for rounding-boundary ties
     ref_codes, ref_amax, ref_dbias = reference
     first_codes = None
     checks = {}
     for name, call in calls.items():
-        out, out_t, dbias = outs[sources[name]]
-        out.fill_(255)
-        out_t.fill_(255)
         amax.zero_()
-        call()
+        if sources[name] is PUBLIC:  # its outputs come from freed blocks: fill those with 0xFF first
+            blocks = [torch.full(shape, 255, dtype=torch.uint8, device=device) for shape in ((m, n), (n, m))]
+            del blocks
+        out, out_t, dbias = call()
         if first_codes is None:
             first_codes = out.clone()
             exact = (out == ref_codes).double().mean().item()
@@ -195,6 +219,10 @@ def main():
                         "waves of K programs per multiprocessor), comma-separated")
     parser.add_argument("--tiles", action="append", help="block_m,block_n,warps,loop_stages,prefetch for the tK and pK "
                         "grids (repeatable; default: the shipped launch's)")
+    parser.add_argument("--public", action="store_true", help="also time the installed package's own function "
+                        "(outputs allocated per call, its shipped launch) as a source named 'public', in the shipped grid")
+    parser.add_argument("--scale", type=float, help="the FP8 scale (default: 2048 for the gradients' passes, 32 for "
+                        "the cast)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="results/kernel_revisions")
     args = parser.parse_args()
@@ -205,6 +233,10 @@ def main():
         if not sep or not name.isidentifier():
             raise ValueError(f"--source {spec!r}: expected NAME=PATH with NAME a Python identifier")
         sources[name] = load_source(name, path)
+    if args.public:
+        if "public" in sources:
+            raise ValueError("--source public=...: the name 'public' is taken by --public; choose another")
+        sources["public"] = PUBLIC
     passes = args.passes.split(",")
     for p in passes:
         if p not in PASSES:
@@ -213,7 +245,7 @@ def main():
     tile_sets = [_tiles(spec) for spec in args.tiles] if args.tiles else [None]
     copy_gbps = copy_bandwidth_gbps() if device.type == "cuda" else float("nan")
     rows = compare(sources, parse_sizes(args.sizes or default_sizes), passes, args.grids.split(","), tile_sets,
-                   args.rounds, device)
+                   args.rounds, device, args.scale)
     for row in rows:
         row["frac_copy"] = row["GBps"] / copy_gbps
     write_results(args.out, "revisions", rows, {"sources": dict(s.partition("=")[::2] for s in args.source),

@@ -2,6 +2,7 @@
 of the kernel module beside the installed one, and its checks must catch a copy that writes a
 wrong byte, or its timings could rank a broken kernel first. Run on CPU it checks without timing."""
 
+import csv
 import importlib
 import os
 import subprocess
@@ -66,3 +67,39 @@ def test_a_first_source_that_scales_wrong_is_flagged_though_its_copies_agree(tmp
     result = _run(tmp_path, ("doubled", doubled))
     assert result.returncode == 1
     assert "CHECK FAILED doubled" in result.stderr
+
+
+def _run_public(tmp_path, source, *extra):
+    args = ["--source", source, "--public", "--sizes", "64x96", "--out", str(tmp_path / "out"), *extra]
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=SCRIPT.parent, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_public_function_is_checked_and_listed_beside_the_copies(tmp_path):
+    result = _run_public(tmp_path, f"shipped={shipped.__file__}", "--passes",
+                         "dact_dbias_quantize,dbias_quantize,quantize", "--grids", "shipped,t1", "--scale", "8")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(tmp_path / "out" / "revisions.csv") as f:
+        rows = list(csv.DictReader(f))
+    public = [r for r in rows if r["source"] == "public"]
+    # one row per pass, in the shipped grid only (its launch is the package's own), each checked
+    assert sorted(r["kernel"] for r in public) == ["dact_dbias_quantize", "dbias_quantize", "quantize"]
+    assert all(r["grid"] == "shipped" and r["ok"] == "True" for r in public)
+    assert all(r["ok"] == "True" for r in rows if r["source"] == "shipped")
+    assert any(r["source"] == "shipped" and r["grid"] == "t1" for r in rows)
+
+
+def test_a_public_result_unlike_the_first_source_is_flagged(tmp_path):
+    # The public function runs the installed module: against a first source that casts at twice
+    # the scale, its codes differ, and its row fails.
+    doubled = _mutated(tmp_path, "doubled", "codes = fp8_codes(x * scale, FP8_FORMAT, ENCODER)",
+                       "codes = fp8_codes(x * scale * 2, FP8_FORMAT, ENCODER)")
+    result = _run_public(tmp_path, f"doubled={doubled}", "--passes", "dbias_quantize")
+    assert result.returncode == 1
+    assert "CHECK FAILED public dbias_quantize" in result.stderr
+
+
+def test_the_name_public_is_refused_for_a_copy_when_public_is_asked(tmp_path):
+    result = _run_public(tmp_path, f"public={shipped.__file__}")
+    assert result.returncode != 0
+    assert "the name 'public' is taken by --public" in result.stderr

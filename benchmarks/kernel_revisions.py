@@ -171,8 +171,8 @@ def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, reference, cf
     for name, call in calls.items():
         amax.zero_()
         if sources[name] is PUBLIC:  # its outputs come from freed blocks: fill those with 0xFF first
-            blocks = [torch.full(shape, 255, dtype=torch.uint8, device=device) for shape in ((m, n), (n, m))]
-            del blocks
+            for shape in ((m, n), (n, m)):
+                torch.full(shape, 255, dtype=torch.uint8, device=device)  # freed at once, its bytes left behind
         out, out_t, dbias = call()
         if first_codes is None:
             first_codes = out.clone()

@@ -1,11 +1,14 @@
 """Finding ``Linear -> activation`` chains in any model, in execution order.
 
-For every module that has a linear-like child (directly, or inside a ``ModuleList``/``ModuleDict``
-child), the order of calls is read from:
+For every module that has a linear-like child (directly, or inside a ``ModuleList``/``ModuleDict``/
+``nn.Sequential`` child), the order of calls is read from:
 
-- the ``nn.Sequential`` itself, when the module is a plain ``nn.Sequential``;
+- the ``nn.Sequential`` itself, when the module is a plain ``nn.Sequential`` that its parent calls
+  as a whole;
 - otherwise its ``forward``, traced with ``torch.fx`` with those children as leaves (the module's
-  registration order says nothing about the order its forward calls them in).
+  registration order says nothing about the order its forward calls them in). A Sequential child
+  whose items the forward calls one by one (iterating or indexing it) is read from this graph, not
+  from its item order; one called both ways has its chains refused.
 
 A chain is a linear whose output has exactly one user, an activation: an activation module child
 (``nn.GELU``, ``nn.ReLU``, ``nn.SiLU``, transformers' activation classes), a functional call
@@ -19,7 +22,7 @@ Nothing here changes the model.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -121,7 +124,7 @@ def _leaf_children(module: nn.Module) -> dict[str, nn.Module]:
         for name, child in owner.named_children():
             path = prefix + name
             leaves.setdefault(path, child)
-            if isinstance(child, _CONTAINERS):
+            if isinstance(child, (*_CONTAINERS, nn.Sequential)):
                 walk(child, path + ".")
 
     walk(module, "")
@@ -340,12 +343,25 @@ def _short(err: Exception) -> str:
     return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
 
 
+_TWO_WAYS = ("its Sequential is called both as a whole and item by item, so the linear's output goes to "
+             "more places than the Sequential's order shows")
+
+
+def _refused(chain: Chain, why: str) -> Chain:
+    """``chain`` left alone for ``why`` (unchanged if it already has a reason)."""
+    return chain if chain.reason else replace(chain, consumer=None, reason=why)
+
+
 def find_chains(model: nn.Module) -> ChainSearch:
     """Every ``linear -> activation`` chain of ``model`` and every near miss (see the module docstring).
 
     Never raises for a model it cannot read: such modules are listed in ``skipped``.
     """
     search = ChainSearch()
+    # Sequentials whose items a traced parent calls one by one: their item order is not the data flow,
+    # the parent's graph is. -> "" or, where the parent also calls the whole Sequential, why its
+    # chains cannot be fused.
+    itemwise: dict[str, str] = {}
     for parent, module in model.named_modules():
         if isinstance(module, _CONTAINERS) or getattr(type(module), "forward", None) is nn.Module.forward:
             continue  # no forward of its own: whoever calls its children is traced instead
@@ -354,7 +370,12 @@ def find_chains(model: nn.Module) -> ChainSearch:
             continue
         if type(module) is nn.Sequential or (isinstance(module, nn.Sequential)
                                              and type(module).forward is nn.Sequential.forward):
-            search.chains.extend(_chains_in_sequential(module, parent))
+            chains = _chains_in_sequential(module, parent)
+            if parent in itemwise:
+                if not itemwise[parent]:
+                    continue  # its parent calls its items itself: the parent's graph says in what order
+                chains = [_refused(chain, itemwise[parent]) for chain in chains]
+            search.chains.extend(chains)
             continue
         if "forward" in module.__dict__:
             search.skipped.append(SkippedModule(
@@ -368,7 +389,12 @@ def find_chains(model: nn.Module) -> ChainSearch:
             search.skipped.append(SkippedModule(parent or type(module).__name__,
                                                 f"its forward cannot be traced by torch.fx ({_short(err)})"))
             continue
-        chains = _chains_in_graph(graph, leaves, parent)
+        called = Counter(str(node.target) for node in graph.nodes if node.op == "call_module")
+        for path, child in leaves.items():
+            if isinstance(child, nn.Sequential) and any(t.startswith(path + ".") for t in called):
+                itemwise[_join(parent, path)] = _TWO_WAYS if called[path] else ""
+        chains = [_refused(chain, _TWO_WAYS) if itemwise.get(chain.linear.rpartition(".")[0]) else chain
+                  for chain in _chains_in_graph(graph, leaves, parent)]
         if not chains:
             continue
         try:
@@ -379,9 +405,7 @@ def find_chains(model: nn.Module) -> ChainSearch:
         if not same:
             why = ("its forward traces differently in train and eval mode (it reads self.training), "
                    "so the chain found in one mode may not exist in the other")
-            chains = [chain if chain.reason else
-                      Chain(chain.parent, chain.linear, chain.activation, chain.act_module, chain.act_node, None, why)
-                      for chain in chains]
+            chains = [_refused(chain, why) for chain in chains]
         search.chains.extend(chains)
         search.graphs[parent] = graph
     return search

@@ -8,8 +8,9 @@
 - ``"all"``: every other eligible linear too (attention projections included), as ``FP8Linear``.
 
 Build one from code (``FuseConfig(convert="all")``), from keyword arguments or a mapping
-(``FuseConfig.create(**kwargs)``, ``make_fuse_config(dict_or_dictconfig)``); the latter two reject
-misspelt keys with the list of valid ones.
+(``FuseConfig.create(**kwargs)``, ``make_fuse_config(dict_or_dictconfig)``); each rejects a
+misspelt key with the list of valid ones (the constructor with a ``TypeError``, the other two with a
+``ValueError``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,31 @@ def _field_names() -> Tuple[str, ...]:
     return tuple(f.name for f in fields(FuseConfig))
 
 
+def _unknown_keys(keys) -> str:
+    """The message naming the keys of ``keys`` that are not fields, with the valid ones; "" if none."""
+    valid = _field_names()
+    hints = []
+    for key in keys:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"unknown FuseConfig key(s) {', '.join(hints)}; valid keys: {', '.join(valid)}" if hints else ""
+
+
+_dataclass_init = FuseConfig.__init__
+
+
+def _checked_init(self: FuseConfig, *args: Any, **kwargs: Any) -> None:
+    # The generated __init__ would say only "unexpected keyword argument": name the valid keys too.
+    message = _unknown_keys(kwargs)
+    if message:
+        raise TypeError(message)
+    _dataclass_init(self, *args, **kwargs)
+
+
+FuseConfig.__init__ = _checked_init  # type: ignore[method-assign]
+
+
 def make_fuse_config(config: Union[FuseConfig, Mapping[str, Any], DictConfig, None]) -> FuseConfig:
     """A ``FuseConfig`` from a config, a mapping of its fields, an OmegaConf ``DictConfig``, or ``None``
     (the defaults). A Hydra ``_target_`` key naming ``FuseConfig`` is accepted and dropped.
@@ -103,14 +129,9 @@ def make_fuse_config(config: Union[FuseConfig, Mapping[str, Any], DictConfig, No
     target = raw.pop("_target_", None)
     if target is not None and not str(target).endswith("FuseConfig"):
         raise ValueError(f"`_target_` must name lightning_fuse.FuseConfig; got {target!r}")
-    valid = _field_names()
-    unknown = [key for key in raw if key not in valid]
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"unknown FuseConfig key(s) {', '.join(hints)}; valid keys: {', '.join(valid)}")
+    message = _unknown_keys(raw)
+    if message:
+        raise ValueError(message)
     # Checked before OmegaConf sees them, so the message names the accepted values.
     if "convert" in raw and raw["convert"] not in CONVERT_MODES:
         raise ValueError(f"`convert` must be one of {', '.join(CONVERT_MODES)}; got {raw['convert']!r}")

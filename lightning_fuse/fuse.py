@@ -208,6 +208,9 @@ def _regeneration_problem(owner: nn.Module) -> str:
     if optional:
         return (f"its forward takes optional arguments ({', '.join(optional)}), so a forward regenerated from "
                 "one trace could differ from the original for other calls; use an activation module instead")
+    if len(parameters) > 1:
+        return (f"its forward takes {len(parameters)} arguments; it was traced with every one a tensor, so a call "
+                "passing None or a number for one could take another path; use an activation module instead")
     return ""
 
 
@@ -533,7 +536,7 @@ def unfuse_(model: nn.Module) -> nn.Module:
                 setattr(owner, name, child.__dict__[_ORIGINAL_ATTR][0])
         if isinstance(owner.__dict__.get("forward"), _GeneratedForward):
             del owner.__dict__["forward"]
-    model.__dict__.pop(_RECORD_ATTR, None)
+        owner.__dict__.pop(_RECORD_ATTR, None)  # also the record of a fused model held inside this one
     return model
 
 

@@ -22,6 +22,7 @@ contraction dimension, which is zero-padded to a multiple of 16 when it is not o
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -292,7 +293,7 @@ class _LinearActFunction(torch.autograd.Function):
         dh2 = dh.reshape(-1, n)
         dx = dweight = None
         if ctx.needs_input_grad[0]:
-            dx = (dh2 @ (w.t() if ctx.weight_is_in_out else w)).view(*dy.shape[:-1], -1)
+            dx = (dh2 @ (w.t() if ctx.weight_is_in_out else w)).view(*dy.shape[:-1], x.shape[-1])
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             dweight = (x2.t() @ dh2 if ctx.weight_is_in_out else dh2.t() @ x2).to(ctx.param_dtypes[0])
@@ -448,8 +449,10 @@ class FP8LinearBase(nn.Module):
         return value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0:
+            raise RuntimeError("both arguments to linear need to be at least 1D, but they are 0D and 2D")
         if x.shape[-1] != self.in_features:
-            rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            rows = math.prod(x.shape[:-1])
             raise RuntimeError(
                 f"mat1 and mat2 shapes cannot be multiplied ({rows}x{x.shape[-1]} and "
                 f"{self.in_features}x{self.out_features}): {type(self).__name__} expects inputs [*, {self.in_features}]"

@@ -247,6 +247,70 @@ class Untraceable(nn.Module):
         return h
 
 
+class SequentialLooped(nn.Module):
+    """A Sequential its parent iterates with a residual around every item: its item order is not the
+    data flow (``fc``'s output also feeds the add), so nothing may be fused from that order."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) + x
+        return x
+
+
+class SequentialIndexed(nn.Module):
+    """A Sequential its parent indexes: the first linear's output is used twice."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[0](x)
+        return self.net[2](self.net[1](h)) + h.mean(-1, keepdim=True)
+
+
+class SequentialItemwise(nn.Module):
+    """A Sequential its parent calls item by item in order: a real chain, found in the parent's graph."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class SequentialTwoWays(nn.Module):
+    """A Sequential called whole and item by item: its linear runs at two places."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.net[0](x)
+
+
+class GatedMLP(nn.Module):
+    """A functional activation in a forward of two required arguments, one of them allowed to be None."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        h = F.gelu(self.fc(x), approximate="tanh")
+        if gate is not None:
+            h = h * gate
+        return self.proj(h)
+
+
 # -- comparisons -------------------------------------------------------------------------------------
 
 

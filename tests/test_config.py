@@ -53,6 +53,8 @@ def test_misspelt_key_names_it_and_lists_the_valid_ones():
     assert "valid keys: convert, activations, exclude, emulate" in message
     with pytest.raises(ValueError, match="'emulat'"):
         make_fuse_config(OmegaConf.create({"emulat": True}))
+    with pytest.raises(TypeError, match="'convrt' \\(did you mean 'convert'\\?\\); valid keys: convert, activations"):
+        FuseConfig(convrt="all")
 
 
 @pytest.mark.parametrize("kwargs, match", [

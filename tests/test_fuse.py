@@ -16,12 +16,17 @@ from helpers_models import (
     Block,
     DropoutBetween,
     FunctionalZoo,
+    GatedMLP,
     LinearCalledTwice,
     LitGPTMLP,
     ModuleListMLP,
     NanoGPTMLP,
     OptionalArgMLP,
     OutputReused,
+    SequentialIndexed,
+    SequentialItemwise,
+    SequentialLooped,
+    SequentialTwoWays,
     SharedActivation,
     ShuffledMLP,
     TiedHeadLM,
@@ -447,3 +452,52 @@ def test_emulated_fp8_smoke():
     assert sqnr_db(x_fused.grad, x_ref.grad) >= 20
     for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
         assert sqnr_db(param.grad, ref.grad) >= 20, name
+
+
+@pytest.mark.parametrize("make, linear, why", [
+    (SequentialLooped, "layers.0", None),  # the parent's graph has no chain: not found at all
+    (SequentialIndexed, "net.0", "its output has 2 users"),
+    (SequentialTwoWays, "net.0", "called both as a whole and item by item"),
+], ids=["looped-residual", "indexed", "two-ways"])
+def test_a_sequential_its_parent_uses_item_by_item_is_not_read_in_item_order(make, linear, why):
+    # Registration order is not execution order: what the parent's graph shows decides.
+    model, reference = fused_and_reference(make)
+    with pytest.warns(UserWarning, match="no fusable Linear -> activation chain"):
+        report = fuse_(model)
+    chains = {chain.name: chain for chain in report.chains}
+    if why is None:
+        assert linear not in chains
+    else:
+        assert not chains[linear].fused and why in chains[linear].reason
+    assert type(model.get_submodule(linear)) is nn.Linear
+    assert_same_outputs_and_grads(model, reference, _x())
+
+
+def test_a_sequential_its_parent_calls_item_by_item_in_order_is_fused():
+    model, reference = fused_and_reference(SequentialItemwise)
+    report = fuse_(model)
+    assert [(c.name, c.activation, c.fused) for c in report.chains] == [("net.0", "gelu_tanh", True)]
+    assert isinstance(model.net[0], FusedLinearBiasActivation) and isinstance(model.net[2], FP8Linear)
+    assert_same_outputs_and_grads(model, reference, _x())
+
+
+def test_a_functional_chain_in_a_forward_of_several_arguments_is_not_regenerated():
+    # One trace takes every argument as a tensor: a regenerated forward would drop the `is None` branch.
+    model, reference = fused_and_reference(GatedMLP)
+    report = fuse_(model)
+    chain = next(c for c in report.chains if c.name == "fc")
+    assert not chain.fused and "its forward takes 2 arguments" in chain.reason
+    x = _x()
+    torch.testing.assert_close(model(x, None), reference(x, None))
+    gate = torch.rand(64)
+    torch.testing.assert_close(model(x, gate), reference(x, gate))
+
+
+def test_unfuse_of_a_module_holding_a_fused_model_clears_its_record():
+    mlp = sequential_mlp()
+    fuse_(mlp)
+    wrapper = nn.ModuleDict({"model": mlp})
+    unfuse_(wrapper)
+    assert type(mlp[0]) is nn.Linear
+    assert fp8_state_of(mlp) is None and fp8_state_of(wrapper) is None
+    assert fuse_(mlp).num_fused == 1  # not refused as "partly unfused"

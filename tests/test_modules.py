@@ -4,6 +4,7 @@ float64, and the delayed-scaling state machine (history roll, margin, non-finite
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -83,6 +84,10 @@ def test_wrong_input_width_is_reported_like_nn_linear():
     fused = FusedLinearBiasActivation(nn.Linear(16, 32), "relu")
     with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(6x15 and 16x32\)"):
         fused(torch.randn(2, 3, 15))
+    with pytest.raises(RuntimeError, match=r"cannot be multiplied \(6x0 and 16x32\)"):
+        fused(torch.randn(6, 0))
+    with pytest.raises(RuntimeError, match="both arguments to linear need to be at least 1D"):
+        fused(torch.tensor(1.0))
     with pytest.raises(ValueError, match="`activation` must be one of"):
         FusedLinearBiasActivation(nn.Linear(16, 32), "tanh")
     with pytest.raises(TypeError, match="expected nn.Linear or transformers' Conv1D; got Conv2d"):
@@ -95,6 +100,22 @@ def test_eval_no_grad_and_empty_batch():
     with torch.no_grad():
         assert fused(torch.randn(5, 16)).shape == (5, 32)
     assert fused(torch.randn(0, 16)).shape == (0, 32)
+
+
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(), CurrentScaling()], ids=["hp", "delayed", "current"])
+@pytest.mark.parametrize("kind", ["fused", "plain"])
+def test_empty_batch_backward_gives_zero_gradients(recipe, kind):
+    linear = nn.Linear(16, 32)
+    module = FusedLinearBiasActivation(linear, "gelu", emulate=True) if kind == "fused" else \
+        FP8Linear(linear, emulate=True)
+    module, _ = _bound(module)
+    x = torch.randn(2, 0, 16, requires_grad=True)
+    with fp8_autocast(recipe) if recipe is not None else contextlib.nullcontext():
+        y = module(x)
+    assert y.shape == (2, 0, 32)
+    y.sum().backward()
+    assert x.grad.shape == (2, 0, 16)
+    assert torch.equal(linear.weight.grad, torch.zeros(32, 16)) and torch.equal(linear.bias.grad, torch.zeros(32))
 
 
 def test_frozen_weight_and_bias():

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict
+import warnings
+import weakref
+from dataclasses import asdict, replace
 from typing import Any, Callable, Literal, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -32,8 +33,9 @@ _DEFAULT_TOKENS = 4096
 class FusedBackwardCallback(Callback):
     r"""Swaps ``Linear -> bias -> activation`` chains for FP8 modules with a one-kernel fused backward.
 
-    - ``setup``: finds and swaps chains before the strategy wraps the model and builds optimizers
-      (after ``configure_model`` when the LightningModule builds its layers there), and prints a table.
+    - ``setup``: finds and swaps chains before the strategy wraps the model and builds optimizers,
+      after the LightningModule's own ``setup`` and ``configure_model`` (either may build layers),
+      and prints a table. Handed another model later, it starts again for that one.
     - First training batch (or ``on_fit_start`` when ``benchmark_tokens`` is given): each distinct
       swapped shape is timed, original vs fused, forward + backward, on the real device and dtypes
       with the batch's token count; ``fuse/speedup/<name>``, ``fuse/speedup_mean`` and
@@ -42,8 +44,10 @@ class FusedBackwardCallback(Callback):
       slower. Rank 0 measures and decides; the decision is broadcast.
     - Training: the recipe is active for each training step's forward and backward (and for
       validation, test and predict with ``fp8_eval``); delayed scales update once per optimizer step,
-      after gradient accumulation; every ``log_every_n_steps`` optimizer steps ``fuse/nonfinite_amax``,
-      ``fuse/scale_min``, ``fuse/scale_max`` and ``fuse/step_time_ms`` are logged.
+      after gradient accumulation (in ``validate``/``test``/``predict`` runs, where no optimizer
+      steps, the forward scales update after each batch from the rank's own amaxes); every
+      ``log_every_n_steps`` optimizer steps ``fuse/nonfinite_amax``, ``fuse/scale_min``,
+      ``fuse/scale_max`` and ``fuse/step_time_ms`` are logged.
     - ``state_dict``: the FP8 state (amax histories, scales, counters) and the benchmark decisions,
       so a resumed run continues with the same scales; the model's own ``state_dict`` stays the plain
       model's.
@@ -96,7 +100,10 @@ class FusedBackwardCallback(Callback):
             raise ValueError(f"`benchmark` must be one of {', '.join(_BENCHMARK_MODES)}; got {benchmark!r}")
         if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
             raise ValueError(f"`log_every_n_steps` must be a positive int; got {log_every_n_steps!r}")
-        if benchmark_tokens is not None and (not isinstance(benchmark_tokens, int) or benchmark_tokens < 1):
+        if not isinstance(fp8_eval, bool):
+            raise TypeError(f"`fp8_eval` must be a bool; got {fp8_eval!r} ({type(fp8_eval).__name__})")
+        if benchmark_tokens is not None and (not isinstance(benchmark_tokens, int) or isinstance(benchmark_tokens, bool)
+                                             or benchmark_tokens < 1):
             raise ValueError(f"`benchmark_tokens` must be a positive int or None; got {benchmark_tokens!r}")
         if module_filter_fn is not None and not callable(module_filter_fn):
             raise TypeError(f"`module_filter_fn` must be callable (module, fqn) -> bool; got {module_filter_fn!r}")
@@ -117,6 +124,8 @@ class FusedBackwardCallback(Callback):
         self._capture: dict[str, tuple[int, torch.dtype]] = {}
         self._capture_handles: list = []
         self._last_update_step = -1
+        self._measured = False  # measured (or restored) once: never again, even when nothing was measurable
+        self._fused_for: Optional[weakref.ref] = None
         self._stepped = False  # an optimizer step happened since the last on_train_batch_end
         self._steps_since_log = 0
         self._log_clock = time.perf_counter()
@@ -125,24 +134,31 @@ class FusedBackwardCallback(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.report is not None:
+        if self.report is not None and self._fused_for is not None and self._fused_for() is pl_module:
             return
-        if is_overridden("configure_model", pl_module):
-            # The layers do not exist yet: swap right after the module builds them, still before the
-            # strategy wraps it and the optimizers are made.
-            build = pl_module.configure_model
+        if self.report is not None:  # the same callback handed a new model: start again for it
+            self.report, self.state, self._modules = None, None, {}
+            self.speedups, self.decisions, self._measured = {}, {}, False
+        self._fused_for = weakref.ref(pl_module)
+        # Callbacks' setup runs before the LightningModule's own setup and configure_model, either of
+        # which may build the layers: swap in the configure_model slot, which Lightning calls after both
+        # (an instance attribute counts as overridden), still before the strategy wraps the model.
+        if getattr(pl_module.__dict__.get("configure_model"), "_lightning_fuse", False):
+            return  # setup again before Lightning called the hook: the wrapper is in place already
+        build = pl_module.configure_model
 
-            def configure_model_then_fuse() -> None:
-                build()
-                del pl_module.configure_model
-                self._fuse(pl_module)
-
-            pl_module.configure_model = configure_model_then_fuse
-        else:
+        def configure_model_then_fuse() -> None:
+            build()
+            del pl_module.configure_model
             self._fuse(pl_module)
 
+        configure_model_then_fuse._lightning_fuse = True
+        pl_module.configure_model = configure_model_then_fuse
+
     def _fuse(self, pl_module: LightningModule) -> None:
-        self.report = fuse_(pl_module, self.fuse_config, module_filter_fn=self.module_filter_fn)
+        with warnings.catch_warnings():  # an unchanged model: the callback's own warning below says so, once
+            warnings.filterwarnings("ignore", message=r"lightning_fuse: no fusable .*the model is unchanged")
+            self.report = fuse_(pl_module, self.fuse_config, module_filter_fn=self.module_filter_fn)
         self.state = fp8_state_of(pl_module)
         self._modules = {name: m for name, m in pl_module.named_modules() if isinstance(m, FP8LinearBase)}
         if self._loaded is not None:
@@ -153,7 +169,7 @@ class FusedBackwardCallback(Callback):
     # -- measuring --------------------------------------------------------------------------------
 
     def _should_measure(self) -> bool:
-        return self.benchmark != "off" and bool(self._modules) and not self.speedups
+        return self.benchmark != "off" and bool(self._modules) and not self._measured
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -177,6 +193,7 @@ class FusedBackwardCallback(Callback):
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 decisions = self._measure_here(trainer, captured)
         decisions = trainer.strategy.broadcast(decisions, src=0)
+        self._measured = True
         self.speedups = dict(decisions["speedups"])
         self.decisions = dict(decisions["fused"])
         self._apply_decisions()
@@ -278,7 +295,21 @@ class FusedBackwardCallback(Callback):
         if self.fp8_eval:
             self._enter()
 
-    def _eval_end(self, *args: Any) -> None:
+    def _eval_end(self, trainer: Trainer, *args: Any) -> None:
+        self._exit()
+        # Outside fit no optimizer step ever updates the scales: update the forward ones after each batch,
+        # from this rank's amaxes alone (ranks may run different numbers of batches in validate, test and
+        # predict, so a collective here could wait forever).
+        if (self.fp8_eval and trainer.state.fn != "fit" and isinstance(self.recipe, DelayedScaling)
+                and self.state is not None and self.state.groups):
+            self.state.update(replace(self.recipe, reduce_amax=False), groups=("forward",))
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._exit()  # on_train_batch_start returning -1 ends the epoch without on_train_batch_end
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._exit()
 
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_start
@@ -314,6 +345,7 @@ class FusedBackwardCallback(Callback):
             self.state.load_state_dict(state_dict["fp8_state"])
         self.speedups = dict(state_dict.get("speedups", {}))
         self.decisions = dict(state_dict.get("decisions", {}))
+        self._measured = self._measured or bool(self.speedups)
         self._apply_decisions()
 
     # -- the table --------------------------------------------------------------------------------
@@ -321,9 +353,12 @@ class FusedBackwardCallback(Callback):
     def _print_table(self) -> None:
         if self.report is None:
             return
-        if not self.report.chains and not self.report.linears:
-            rank_zero_warn("FusedBackwardCallback: no Linear -> activation chain found; training runs unchanged")
-            return
+        if not self._modules:
+            if not self.report.chains and not self.report.linears:
+                rank_zero_warn("FusedBackwardCallback: no Linear -> activation chain found; training runs unchanged")
+                return
+            rank_zero_warn("FusedBackwardCallback: no chain could be swapped (the table says why); training runs "
+                           "unchanged")
         rank_zero_info(self.table())
 
     def table(self) -> str:

@@ -253,9 +253,11 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dq, dq_t, dbias = dbias_quantize(dy2, scale=scale_g, fp8_dtype=bwd_dtype, amax=amax_g,
                                                  transpose=need_wgrad, dbias_dtype=dbias_dtype)
         else:
-            dq, dq_t, dbias, _, scale_g = dact_dbias_quantize_current_scaling(
+            dq, dq_t, dbias, amax_g, scale_g = dact_dbias_quantize_current_scaling(
                 dy2, h, activation, fp8_dtype=bwd_dtype, transpose=need_wgrad, margin=recipe.margin,
                 dbias_dtype=module.bias.dtype if ctx.has_bias else torch.float32)
+            if plan.state is not None and not torch.compiler.is_compiling():
+                plan.state.count_nonfinite(amax_g)
             scale_inv_g = scale_g.reciprocal()
         dx = dweight = dbias_out = None
         if need_dgrad:

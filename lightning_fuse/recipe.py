@@ -60,6 +60,8 @@ class DelayedScaling(_HybridFormats):
             raise ValueError(f"`amax_compute_algo` must be one of {', '.join(_AMAX_ALGOS)}; "
                              f"got {self.amax_compute_algo!r}")
         _check_margin(self.margin)
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(f"`reduce_amax` must be a bool; got {self.reduce_amax!r} ({type(self.reduce_amax).__name__})")
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,12 @@ def make_recipe(recipe: object) -> Recipe:
     if hasattr(recipe, "items"):
         fields = dict(recipe.items())
         target = str(fields.pop("_target_", fields.pop("name", "delayed")))
-        kind = "current" if target.lower().endswith(("current", "currentscaling")) else "delayed"
+        tail = target.rsplit(".", 1)[-1].lower()
+        kinds = {"delayed": "delayed", "delayedscaling": "delayed", "current": "current", "currentscaling": "current"}
+        if tail not in kinds:  # anything else is a typo or a recipe this library does not have
+            raise ValueError(f"a recipe mapping's `_target_`/`name` must name DelayedScaling or CurrentScaling "
+                             f"('delayed', 'current'); got {target!r}")
+        kind = kinds[tail]
         cls = _RECIPES[kind]
         valid = set(cls.__dataclass_fields__)
         unknown = sorted(set(fields) - valid)

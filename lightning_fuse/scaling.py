@@ -67,6 +67,7 @@ class FP8ScalingState:
         # Bumped at every update of the forward scales: cached FP8 weights are keyed on it.
         self.generation = 0
         self._pending: Optional[dict[str, Any]] = None  # loaded state waiting for a device
+        self.current_nonfinite: Optional[torch.Tensor] = None  # non-finite amaxes seen under CurrentScaling
 
     # -- registration and storage -------------------------------------------------------------
 
@@ -121,6 +122,9 @@ class FP8ScalingState:
             return
         if recipe.reduce_amax and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             newest = torch.cat([self.groups[g].history[0] for g in groups])
+            # A NaN does not survive a MAX all-reduce on every backend (gloo keeps it or not by rank
+            # order): send it as +inf, which does, so every rank counts it and keeps the scale.
+            newest.masked_fill_(newest.isnan(), float("inf"))
             dist.all_reduce(newest, op=dist.ReduceOp.MAX)
             for g, part in zip(groups, newest.split([self.groups[g].history.shape[1] for g in groups])):
                 self.groups[g].history[0].copy_(part)
@@ -138,10 +142,17 @@ class FP8ScalingState:
 
     # -- health ------------------------------------------------------------------------------
 
+    def count_nonfinite(self, amax: torch.Tensor) -> None:
+        """Counts a non-finite current-scaling amax (no sync: the count stays on the device)."""
+        if self.current_nonfinite is None or self.current_nonfinite.device != amax.device:
+            self.current_nonfinite = torch.zeros((), dtype=torch.int64, device=amax.device)
+        self.current_nonfinite += (~torch.isfinite(amax)).sum()
+
     def stats(self) -> dict[str, float]:
         """``nonfinite_amax`` (events so far), ``scale_min`` and ``scale_max`` over every tensor."""
         if not self.groups:
-            return {"nonfinite_amax": 0.0, "scale_min": 1.0, "scale_max": 1.0}
+            count = float(self.current_nonfinite.item()) if self.current_nonfinite is not None else 0.0
+            return {"nonfinite_amax": count, "scale_min": 1.0, "scale_max": 1.0}
         scales = torch.cat([g.scale for g in self.groups.values()])
         nonfinite = sum(g.nonfinite.sum() for g in self.groups.values())
         values = torch.stack([nonfinite.to(torch.float64), scales.min().double(), scales.max().double()]).tolist()

@@ -104,7 +104,9 @@ def measure(key: ShapeKey, device: torch.device, recipe: Optional[Recipe], *, em
             if module.bias is not None:
                 module.bias.grad = None
             x.grad = None
-            fp8 = fp8_autocast(recipe, update_scales=False) if (fused and recipe is not None) else contextlib.nullcontext()
+            # A shape FP8 cannot run takes the high-precision path anyway: no second fallback warning for it.
+            fp8 = (fp8_autocast(recipe, update_scales=False) if (fused and recipe is not None and not module.fp8_reason)
+                   else contextlib.nullcontext())
             with precision_context(), fp8:
                 y = module(x)
             if dy is None or dy.dtype != y.dtype:

@@ -545,6 +545,12 @@ def test_model_pickles_after_fp8_training(tmp_path):
     ({"log_every_n_steps": 2.5}, ValueError, r"`log_every_n_steps` must be a positive int; got 2.5"),
     ({"log_every_n_steps": True}, ValueError, r"`log_every_n_steps` must be a positive int; got True"),
     ({"benchmark_tokens": 0}, ValueError, r"`benchmark_tokens` must be a positive int or None; got 0"),
+    ({"benchmark_tokens": True}, ValueError, r"`benchmark_tokens` must be a positive int or None; got True"),
+    ({"fp8_eval": "no"}, TypeError, r"`fp8_eval` must be a bool; got 'no' \(str\)"),
+    ({"recipe": {"reduce_amax": "no"}}, TypeError, r"`reduce_amax` must be a bool; got 'no' \(str\)"),
+    ({"recipe": {"name": "curent"}}, ValueError, r"must name DelayedScaling or CurrentScaling \('delayed', "
+                                                  r"'current'\); got 'curent'"),
+    ({"recipe": {"_target_": "lightning_fuse.MXFP8Scaling"}}, ValueError, r"got 'lightning_fuse.MXFP8Scaling'"),
     ({"recipe": "fp8"}, ValueError, r"`recipe` must be one of delayed, current or a recipe object; got 'fp8'"),
     ({"recipe": {"amax_history": 16}}, ValueError, r"unknown DelayedScaling field\(s\) \['amax_history'\]"),
     ({"recipe": 8}, TypeError, r"`recipe` must be a DelayedScaling, CurrentScaling"),

@@ -14,7 +14,7 @@ import torch
 import torch.distributed
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_fuse import DelayedScaling, FusedBackwardCallback
+from lightning_fuse import DelayedScaling, FP8ScalingState, FusedBackwardCallback
 
 from boring_models import ShardedMLPModel
 
@@ -88,3 +88,37 @@ def test_ddp_ranks_agree_and_match_one_process(tmp_path):
     # e5m2 rounds a value and its double differently in the subnormal range.
     for name, value in single["params"].items():
         torch.testing.assert_close(rank0["params"][name], value, rtol=0, atol=3e-4, msg=lambda m: f"{name}: {m}")
+
+
+def _nan_on_one_rank(rank: int, nan_rank: int, init_file: str, out_dir: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        state = FP8ScalingState()
+        state.register("a")
+        state.register("b")  # two gradient tensors: one gets the NaN, one a finite amax
+        state.ensure(4, torch.device("cpu"))
+        recipe = DelayedScaling(amax_history_len=4)
+        state.groups["forward"].history[0] = 1.0
+        state.groups["backward"].history[0] = 1.0
+        state.update(recipe)  # finite everywhere: the scales every rank keeps
+        kept = state.groups["backward"].scale.clone()
+        state.groups["forward"].history[0] = 1.0
+        state.groups["backward"].history[0] = 4.0
+        state.groups["backward"].history[0, 0] = float("nan") if rank == nan_rank else 4.0
+        state.update(recipe)
+        torch.save({"nonfinite": state.stats()["nonfinite_amax"], "kept": kept,
+                    "scale": state.groups["backward"].scale.clone()}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("nan_rank", [0, 1])
+def test_a_nan_amax_on_any_rank_is_counted_on_every_rank_and_keeps_the_scale(tmp_path, nan_rank):
+    # gloo's MAX keeps a NaN or drops it depending on which rank holds it; an inf survives on every backend
+    torch.multiprocessing.spawn(_nan_on_one_rank, args=(nan_rank, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    for result in results:
+        assert result["nonfinite"] == 1
+        assert result["scale"][0] == result["kept"][0]  # the NaN's tensor keeps its previous scale
+        assert result["scale"][0] != result["scale"][1]  # the other tensors moved to the new amax 4
+    assert torch.equal(results[0]["scale"], results[1]["scale"])

@@ -1,0 +1,177 @@
+"""``FusedBackwardCallback`` across a run's edges: measuring once even when nothing could be measured,
+the FP8 context closed however the loop ends, layers built in the LightningModule's ``setup``, the
+callback handed a second model, ``predict`` on its own, one warning per cause, and non-finite
+gradients counted under current scaling."""
+
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_fuse.modules
+from lightning_fuse import FuseConfig, FusedBackwardCallback, FusedLinearBiasActivation, fp8_autocast, fuse_
+from lightning_fuse.autocast import _STACK, active_context
+
+from boring_models import BoringMLPModel, NoChainModel, regression_data
+from fp8_checks import sqnr_db
+from test_callback import _InfiniteLossAtSecondStep, _ZeroNonFiniteGradients, logged, make_trainer, mock_logger
+
+
+class _OddWidths(BoringMLPModel):
+    """``Linear(32, 40) -> LayerNorm -> Linear(40, 32)``: converted with ``convert="all"``, but 40 is
+    not a width FP8 GEMMs take, so there is nothing to time."""
+
+    @staticmethod
+    def build(d: int, dropout: float = 0.0) -> nn.Module:
+        return nn.Sequential(nn.Linear(d, 40), nn.LayerNorm(40), nn.Linear(40, d))
+
+
+def test_measures_once_even_when_nothing_could_be_measured(tmp_path):
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(emulate=True, convert="all", benchmark="auto")
+    with mock.patch.object(FusedBackwardCallback, "_measure", autospec=True,
+                           side_effect=FusedBackwardCallback._measure) as measure:
+        make_trainer(tmp_path, [callback], max_steps=4).fit(_OddWidths())
+    assert len(callback._modules) == 2 and callback.speedups == {}
+    assert measure.call_count == 1
+
+
+class _SkipRestOfEpoch(BoringMLPModel):
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 2 else None  # Lightning ends the epoch here, without on_train_batch_end
+
+
+def test_fp8_context_is_closed_however_the_epoch_ends(tmp_path):
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(emulate=True, benchmark="off")
+    make_trainer(tmp_path, [callback], max_epochs=1, max_steps=-1).fit(_SkipRestOfEpoch())
+    left_open = active_context()
+    _STACK.clear()  # so a failure here does not leak FP8 into the tests after it
+    assert left_open is None
+
+
+class _BuildsInSetup(BoringMLPModel):
+    """Builds its layers in ``LightningModule.setup``, which Lightning runs after the callbacks' ``setup``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = None
+
+    def setup(self, stage: str) -> None:
+        if self.mlp is None:
+            self.mlp = self.build(self.d)
+
+
+def test_layers_built_in_the_modules_setup_are_swapped(tmp_path):
+    torch.manual_seed(0)
+    model = _BuildsInSetup()
+    callback = FusedBackwardCallback(emulate=True, benchmark="off")
+    trainer = make_trainer(tmp_path, [callback], max_steps=2)
+    trainer.fit(model)
+    assert type(model.mlp[0]) is FusedLinearBiasActivation and "configure_model" not in model.__dict__
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in model.parameters()}
+    assert callback.state.generation == 2
+
+
+def test_a_callback_handed_a_second_model_fuses_and_tracks_that_one(tmp_path):
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(emulate=True, benchmark="off")
+    first, second = BoringMLPModel(), BoringMLPModel()
+    make_trainer(tmp_path, [callback], max_steps=2).fit(first)
+    first_state = callback.state
+    make_trainer(tmp_path, [callback], max_steps=3).fit(second)  # a sweep or k-fold loop reusing its callbacks
+    assert type(first.mlp[0]) is FusedLinearBiasActivation and type(second.mlp[0]) is FusedLinearBiasActivation
+    assert callback.state is not first_state and callback.state.generation == 3
+    assert set(callback._modules) == {"mlp.0", "mlp.2"}
+    assert all(m is second.get_submodule(name) for name, m in callback._modules.items())
+
+
+class _Predict(BoringMLPModel):
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def predict_dataloader(self):
+        x, _ = regression_data(num_samples=16, seed=1).tensors
+        return DataLoader(TensorDataset(x * 1000.0), batch_size=2)  # far above e4m3's 448 at scale 1
+
+
+def test_predict_on_its_own_calibrates_the_forward_scales(tmp_path):
+    torch.manual_seed(0)
+    plain = _Predict()
+    fused = _Predict()
+    fused.load_state_dict(plain.state_dict())
+    reference = torch.cat(make_trainer(tmp_path, []).predict(plain)[1:])
+    callback = FusedBackwardCallback(emulate=True, benchmark="off")
+    out = torch.cat(make_trainer(tmp_path, [callback]).predict(fused)[1:])  # every batch after the first
+    assert callback.state.generation == 8  # one forward update per batch
+    # what an fp8_autocast loop over the same batches gives, not the 3 dB of scales left at 1
+    assert sqnr_db(out, reference) >= 15
+
+
+def test_a_model_without_chains_gets_one_warning(tmp_path):
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [FusedBackwardCallback(emulate=True)], max_steps=2).fit(NoChainModel())
+    ours = [str(w.message) for w in caught if "chain" in str(w.message)]
+    assert ours == ["FusedBackwardCallback: no Linear -> activation chain found; training runs unchanged"]
+
+
+class _OddChain(BoringMLPModel):
+    @staticmethod
+    def build(d: int, dropout: float = 0.0) -> nn.Module:
+        return nn.Sequential(nn.Linear(d, 40), nn.GELU(), nn.Linear(40, d))
+
+
+def test_an_ineligible_shape_warns_once_per_module_not_again_for_the_benchmark(tmp_path):
+    torch.manual_seed(0)
+    lightning_fuse.modules._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [FusedBackwardCallback(emulate=True, benchmark="log")], max_steps=2).fit(_OddChain())
+    fallbacks = [str(w.message) for w in caught if "running in high precision" in str(w.message)]
+    assert len(fallbacks) == 2 and all(m.startswith(("mlp.0: ", "mlp.2: "))
+                                       for m in fallbacks), fallbacks
+
+
+def test_current_scaling_counts_nonfinite_gradients(tmp_path):
+    torch.manual_seed(0)
+    logger = mock_logger(tmp_path)
+    callback = FusedBackwardCallback(recipe="current", emulate=True, benchmark="off", log_every_n_steps=1)
+    make_trainer(tmp_path, [_ZeroNonFiniteGradients(), callback], max_steps=3, logger=logger).fit(
+        _InfiniteLossAtSecondStep())
+    counts = [metrics["fuse/nonfinite_amax"] for _, metrics in logged(logger) if "fuse/nonfinite_amax" in metrics]
+    assert counts[0] == 0 and counts[-1] >= 1  # step 1 clean, step 2's infinite loss counted
+
+
+def test_fp8_autocast_reference_for_the_predict_test_is_what_the_threshold_says(tmp_path):
+    # The 15 dB above is what delayed scaling reaches on these batches when its scales are updated:
+    # the same loop by hand, fp8_autocast updating the scales on exit of each batch.
+    torch.manual_seed(0)
+    plain = _Predict()
+    fused = _Predict()
+    fused.load_state_dict(plain.state_dict())
+    fuse_(fused, FuseConfig(emulate=True))
+    batches = [b[0] for b in fused.predict_dataloader()]
+    outs = []
+    with torch.no_grad():
+        for x in batches:
+            with fp8_autocast():
+                outs.append(fused(x))
+        reference = torch.cat([plain(x) for x in batches[1:]])
+    assert sqnr_db(torch.cat(outs[1:]), reference) >= 15
+
+
+def test_setup_twice_before_the_layers_exist_swaps_once(tmp_path):
+    torch.manual_seed(0)
+    model = _BuildsInSetup()
+    callback = FusedBackwardCallback(emulate=True, benchmark="off")
+    trainer = make_trainer(tmp_path, [callback], max_steps=1)
+    callback.setup(trainer, model, "fit")  # e.g. a second entry point calling the hooks again
+    trainer.fit(model)
+    assert type(model.mlp[0]) is FusedLinearBiasActivation and "configure_model" not in model.__dict__

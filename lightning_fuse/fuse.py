@@ -12,7 +12,8 @@ What a swap does:
   ``convert="all"`` every other eligible linear, becomes ``FP8Linear``.
 
 Never swapped, and reported with the reason: linears whose weight or bias is shared with another
-module (tied weights), modules registered at two places, linears with hooks, ``nn.Linear``
+module (tied weights), modules registered at two places, ``nn.MultiheadAttention``'s ``out_proj``
+(which the attention never calls), linears with hooks, ``nn.Linear``
 subclasses with their own ``forward``, parametrized or lazy weights, names matched by
 ``FuseConfig.exclude`` and modules ``module_filter_fn`` rejects. ``state_dict`` keys and values do
 not change, so checkpoints load both ways with ``strict=True``. The model's FP8 scaling state
@@ -266,7 +267,8 @@ class _Sharing:
             param = getattr(module, attr, None)
             if param is None:
                 continue
-            others = [path for path in self.param_paths[id(param)] if path != f"{fqn}.{attr}"]
+            own = f"{fqn}.{attr}" if fqn else attr  # the model itself a linear: its fqn is ""
+            others = [path for path in self.param_paths[id(param)] if path != own]
             if others:
                 return f"its {attr} is shared with {others[0]} (tied weights are never converted)"
         return ""
@@ -299,11 +301,18 @@ class _Eligibility:
         self.config = config
         self.module_filter_fn = module_filter_fn
         self.sharing = _Sharing(model)
+        # nn.MultiheadAttention reads its out_proj's weight and bias itself and never calls the module
+        self.attention_out = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
 
     def reason(self, module: nn.Module, fqn: str) -> str:
         for pattern in self.config.exclude:
             if fnmatch.fnmatchcase(fqn, pattern):
                 return f"excluded by FuseConfig.exclude pattern {pattern!r}"
+        if not fqn:
+            return "it is the model itself: fuse_ changes a model in place, so it swaps submodules only (wrap it)"
+        if id(module) in self.attention_out:
+            return ("it is an nn.MultiheadAttention's out_proj: the attention reads its weight directly and "
+                    "never calls it, so a swapped module would not run")
         reason = _unswappable_reason(module) or self.sharing.reason(module, fqn)
         if reason:
             return reason

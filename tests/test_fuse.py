@@ -501,3 +501,35 @@ def test_unfuse_of_a_module_holding_a_fused_model_clears_its_record():
     assert type(mlp[0]) is nn.Linear
     assert fp8_state_of(mlp) is None and fp8_state_of(wrapper) is None
     assert fuse_(mlp).num_fused == 1  # not refused as "partly unfused"
+
+
+def test_a_model_that_is_itself_a_linear_is_left_alone_with_the_reason():
+    model = nn.Linear(16, 16)
+    with pytest.warns(UserWarning, match="the model is unchanged"):
+        report = fuse_(model, FuseConfig(convert="all"))
+    (entry,) = report.linears
+    assert not entry.fused and "it is the model itself" in entry.reason
+    assert type(model) is nn.Linear and "" not in model.__dict__
+    assert fuse_(nn.Sequential(model), FuseConfig(convert="all")).linears[0].fused  # wrapped, it is swapped
+
+
+class _AttentionThenMLP(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.mlp = sequential_mlp(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attended, _ = self.attn(x, x, x)
+        return self.mlp(attended)
+
+
+def test_multihead_attentions_out_proj_is_not_reported_as_converted():
+    # nn.MultiheadAttention reads out_proj.weight itself: a swapped out_proj would never run.
+    model, reference = fused_and_reference(_AttentionThenMLP)
+    report = fuse_(model, FuseConfig(convert="all"))
+    entries = {entry.name: entry for entry in report.linears}
+    assert not entries["attn.out_proj"].fused and "never calls it" in entries["attn.out_proj"].reason
+    assert type(model.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert isinstance(model.mlp[0], FusedLinearBiasActivation)
+    assert_same_outputs_and_grads(model, reference, _x())

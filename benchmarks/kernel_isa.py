@@ -54,7 +54,7 @@ def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
     constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
                      TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize",
                      FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True, ENCODER=1, PACK_T=True,
-                     LOOP_STAGES=rule.loop_stages or None, CYCLIC_ROWS=False, PREFETCH=rule.prefetch,
+                     LOOP_STAGES=rule.loop_stages or None, CYCLIC_ROWS=False, PREFETCH=rule.prefetch, INDEX_64=False,
                      BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
             constants, rule.num_warps, bytes_per_element)
@@ -64,7 +64,7 @@ def _bias_act_case():
     rule = LAUNCH_RULES["bias_act"]
     constants = dict(ACTIVATION=2, HAS_BIAS=False, STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True,
                      COMPUTE_AMAX=True, ENCODER=1, LOOP_STAGES=rule.loop_stages or None,
-                     CYCLIC_ROWS=False, PREFETCH=rule.prefetch, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
+                     CYCLIC_ROWS=False, PREFETCH=rule.prefetch, INDEX_64=False, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return _bias_act_kernel, _BIAS_ACT_ARGS, _BIAS_ACT_TYPES, {"stride_h_n": 1}, constants, rule.num_warps, 6
 
 

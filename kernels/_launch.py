@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -128,7 +129,7 @@ def check_amax(amax: object, device: torch.device) -> torch.Tensor | None:
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``(M, N)`` over its last dimension: a view where the strides allow one, else a copy."""
-    return t.reshape(-1, t.shape[-1])
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: N may be 0
 
 
 @dataclass(frozen=True)
@@ -275,7 +276,7 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
         sms, programs_per_sm, loop_stages, whole_waves = 2, 2, 0, False
     else:
         sms = _device_info(device)[1]
-    strips = -(-n // block_n)
+    strips = max(1, -(-n // block_n))
     row_tiles = max(1, -(-m // block_m))
     slots = sms * programs_per_sm
     config = LaunchConfig(block_m, block_n, num_warps, 1, loop_stages=loop_stages, prefetch=rule.prefetch)

@@ -34,6 +34,7 @@ def _bias_act_kernel(
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
     CYCLIC_ROWS: tl.constexpr,  # row tiles dealt to the row groups in turn (_launch.LaunchConfig.cyclic_rows)
     PREFETCH: tl.constexpr,  # each tile's input loaded one iteration ahead, in registers (LaunchConfig.prefetch)
+    INDEX_64: tl.constexpr,  # some element offset reaches 2**31: 64-bit index arithmetic
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -41,6 +42,10 @@ def _bias_act_kernel(
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    rows = tl.arange(0, BLOCK_M)
+    if INDEX_64:
+        offs_n = offs_n.to(tl.int64)
+        rows = rows.to(tl.int64)
     row_start, row_end, row_step = row_loop(pid_m, rows_per_group, M, BLOCK_M, CYCLIC_ROWS)
     amax_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
@@ -51,11 +56,11 @@ def _bias_act_kernel(
     if PREFETCH:
         # Each tile's input is loaded one iteration ahead; rows past this group's are masked off.
         limit = tl.minimum(row_end, M)
-        offs_m = row_start + tl.arange(0, BLOCK_M)
+        offs_m = row_start + rows
         h_next = tl.load(h_cols + offs_m[:, None] * stride_h_m, mask=(offs_m < limit)[:, None] & mask_n[None, :],
                          other=0.0)
     for m0 in tl.range(row_start, row_end, row_step, num_stages=LOOP_STAGES):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_m = m0 + rows
         mask = (offs_m < M)[:, None] & mask_n[None, :]
         if PREFETCH:
             h = h_next.to(tl.float32)
@@ -78,7 +83,8 @@ def _bias_act_kernel(
             tl.store(y_ptr + offs_m[:, None] * stride_y_m + offs_n[None, :], y, mask=mask)
             y = y.to(tl.float32)
         if COMPUTE_AMAX:
-            amax_acc = amax_update(amax_acc, y)
+            # Masked rows hold act(0 + bias): keep them out of the amax.
+            amax_acc = amax_update(amax_acc, tl.where(mask, y, 0.0))
         if FP8_FORMAT != 0:
             codes = fp8_codes(y * scale, FP8_FORMAT, ENCODER)
             q_ptrs = q_ptr.to(tl.pointer_type(tl.uint8)) + offs_m[:, None] * stride_q_m + offs_n[None, :]
@@ -111,6 +117,8 @@ def _launch(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, scal
         STORE_Y=True, FP8_FORMAT=fp8_code,
         TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(h),
         LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch,
+        INDEX_64=max(m * n, 1 + (m - 1) * abs(stride_h[0]) + (n - 1) * abs(stride_h[1]),
+                     (m - 1) * pre_act_out.stride(0) + n if pre_act_out is not None else 0) >= 2**31,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
 
@@ -124,7 +132,7 @@ def _bias_act_run(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     q = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=dev) if fp8_code else None
     q_t = torch.empty((n, m), dtype=q.dtype, device=dev) if transpose else None
-    if m > 0:
+    if m > 0 and n > 0:
         _launch(h, bias, activation, scale, fp8_code, amax, transpose, pre_act_out, y, q, q_t,
                 launch_config("bias_act", m, n, dev), traced)
     return y, q, q_t
@@ -162,6 +170,14 @@ def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation
     fmt = fp8_format(fp8_dtype)
     q = (y.to(torch.float32) * scale.to(torch.float32)).clamp(-fmt.max, fmt.max).to(fp8_dtype)
     return y, q, (q.t().contiguous() if transpose else None)
+
+
+def _viewable_as_rows(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, t.shape[-1])
+        return True
+    except RuntimeError:
+        return False
 
 
 def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = "gelu_tanh", *,
@@ -202,10 +218,13 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
         if pre_act_out.shape != h.shape or pre_act_out.stride(-1) != 1:
             raise ValueError(f"`pre_act_out` must have `h`'s shape {tuple(h.shape)} with contiguous rows; got shape "
                              f"{tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
+        if pre_act_out.dim() != 2 and pre_act_out.numel() and not _viewable_as_rows(pre_act_out):
+            raise ValueError(f"`pre_act_out` must be viewable as ({h.shape[:-1].numel()}, {n}) rows (it is written "
+                             f"in place); got shape {tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
         if bias is None and pre_act_out is h:
             pre_act_out = None  # h already is the pre-activation: writing it back would copy it onto itself
     leading = h.shape[:-1]
-    h2 = h if h.dim() == 2 else h.reshape(-1, n)
+    h2 = h if h.dim() == 2 else as_rows(h)
     if not use_triton(h2):
         if pre_act_out is not None:
             pre = h2.to(torch.float32) + (bias.to(torch.float32) if bias is not None else 0.0)
@@ -219,7 +238,7 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
     if scale is not None and scale.dim() != 0:
         scale = scale.reshape(())
     if pre_act_out is not None and pre_act_out.dim() != 2:
-        pre_act_out = pre_act_out.reshape(-1, n)
+        pre_act_out = as_rows(pre_act_out)
     if torch.compiler.is_compiling():
         y, q, q_t = _bias_act_op(h2, bias, act, h.dtype, scale, code, amax, transpose, pre_act_out, True)
     else:

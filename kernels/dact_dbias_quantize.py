@@ -124,6 +124,7 @@ def _dact_dbias_quantize_kernel(
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
     CYCLIC_ROWS: tl.constexpr,  # row tiles dealt to the row groups in turn (_launch.LaunchConfig.cyclic_rows)
     PREFETCH: tl.constexpr,  # each tile's inputs loaded one iteration ahead, in registers (LaunchConfig.prefetch)
+    INDEX_64: tl.constexpr,  # some element offset reaches 2**31: 64-bit index arithmetic
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -135,6 +136,9 @@ def _dact_dbias_quantize_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     quarter = tl.arange(0, BLOCK_M // 4)
+    if INDEX_64:
+        offs_n = offs_n.to(tl.int64)
+        quarter = quarter.to(tl.int64)
     row_start, row_end, row_step = row_loop(pid_m, rows_per_group, M, BLOCK_M, CYCLIC_ROWS)
     # 2-D accumulators: one reduction at the end instead of a cross-warp reduction per tile.
     dbias_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
@@ -295,6 +299,11 @@ def _pass_name(activation: int, compute_dbias: bool) -> str:
     return "dact_dbias_quantize" if activation else ("dbias_quantize" if compute_dbias else "quantize")
 
 
+def _extent(t: torch.Tensor) -> int:
+    """One past the largest element offset of ``t`` from its first element."""
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
             compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool):
     """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs (``out_t``/``dbias`` may be
@@ -319,6 +328,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, FINISH_DBIAS=counters is not None,
         DBIAS_BF16=dbias_bf16, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
         LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch,
+        INDEX_64=max(m * n, _extent(grad), _extent(pre_act) if pre_act is not None else 0) >= 2**31,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         **({"maxnreg": config.max_registers} if config.max_registers and not traced else {}),
     )
@@ -365,7 +375,7 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
     if compute_dbias:
         # Every element is written by the partial-sum kernel; only an empty batch needs the zeros.
         dbias = (torch.empty if m > 0 else torch.zeros)((n,), dtype=dbias_dtype, device=device)
-    if m > 0:
+    if m > 0 and n > 0:
         _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, True, config, out, out_t,
                 dbias, traced)
     return out, out_t, dbias
@@ -428,8 +438,8 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
     act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, dbias_dtype)
     n = grad.shape[-1]
     flat = grad.dim() == 2
-    g2 = grad if flat else grad.reshape(-1, n)
-    p2 = (pre_act if pre_act.dim() == 2 else pre_act.reshape(-1, n)) if act else None
+    g2 = grad if flat else as_rows(grad)
+    p2 = (pre_act if pre_act.dim() == 2 else as_rows(pre_act)) if act else None
     if not use_triton(g2):
         out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                           fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
@@ -530,7 +540,10 @@ def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[to
 
 def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
     usable = torch.isfinite(amax) & (amax > 0)
-    return torch.where(usable, fp8_max / amax / (2.0 ** margin), torch.ones_like(amax)).reshape(())
+    # An amax below fp8_max / FLT_MAX overflows the quotient: the largest finite scale instead
+    # (an infinite one turns every zero into NaN: 0 * inf).
+    scale = (fp8_max / amax / (2.0 ** margin)).clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(usable, scale, torch.ones_like(amax)).reshape(())
 
 
 def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, fp8_code: int,
@@ -545,7 +558,7 @@ def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], a
     out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     dbias = torch.zeros((n if compute_dbias else 0,), dtype=dbias_dtype, device=grad.device)
-    if m == 0:  # an empty batch: amax 0, so scale 1, as _scale_from_amax gives
+    if m == 0 or n == 0:  # an empty batch: amax 0, so scale 1, as _scale_from_amax gives
         return out, out_t, dbias, torch.ones((), dtype=torch.float32, device=grad.device)
     # Pass 1: amax (and bias gradient); nothing written per element.
     _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, first, out, out_t, dbias, traced)

@@ -47,6 +47,7 @@ def _update_scales_kernel(
     usable = finite & (amax > 0)
     # Correctly rounded divisions, as PyTorch's: the scales are bit-identical to the reference.
     scale = tl.where(usable, tl.math.div_rn(tl.math.div_rn(fp8_max, tl.where(usable, amax, 1.0)), margin_factor), old)
+    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)  # tiny amax: largest finite scale
     tl.store(new_scale_ptr + cols * new_scale_stride, scale, mask=col_mask)
     tl.store(new_scale_inv_ptr + cols * new_scale_stride, tl.math.div_rn(1.0, scale), mask=col_mask)
     # Every thread has loaded its rows before any row is overwritten by its predecessor.
@@ -102,6 +103,7 @@ def update_scales_reference(history: torch.Tensor, scale: torch.Tensor, nonfinit
     amax = history.amax(dim=0) if use_max else newest
     usable = finite & (amax > 0)
     new = torch.where(usable, fp8_max / amax.clamp_min(torch.finfo(torch.float32).tiny) / (2.0 ** margin), scale)
+    new = new.clamp(max=torch.finfo(torch.float32).max)
     new_scale, new_scale_inv = aligned_scales(new), aligned_scales(new.reciprocal())
     history = torch.roll(history, 1, dims=0)
     history[0].zero_()

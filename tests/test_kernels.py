@@ -110,6 +110,69 @@ def test_empty_batch():
     assert amax.item() == 3.0
 
 
+@pytest.mark.parametrize("leading", [(4,), (2, 4)])
+def test_zero_width(leading):
+    # N = 0: empty outputs, amax untouched and scale 1, as for M = 0 (no launch, no division by zero)
+    one, amax = torch.ones((), device=DEVICE), torch.zeros(1, device=DEVICE)
+    x = torch.randn(*leading, 0, device=DEVICE)
+    m = x.shape[:-1].numel()
+    dx, dx_t, dbias = dact_dbias_quantize(x, x.clone(), "relu", scale=one, fp8_dtype=torch.float8_e4m3fn, amax=amax,
+                                          transpose=True)
+    assert dx.shape == x.shape and dx_t.shape == (0, m) and dbias.shape == (0,)
+    q, q_t = quantize(x, scale=one, fp8_dtype=torch.float8_e4m3fn, amax=amax, transpose=True)
+    assert q.shape == x.shape and q_t.shape == (0, m)
+    y, _, _ = bias_act(x, torch.randn(0, device=DEVICE), "relu")
+    assert y.shape == x.shape
+    q, q_t, current_amax, scale = quantize_current_scaling(x, fp8_dtype=torch.float8_e5m2, transpose=True)
+    assert q.shape == x.shape and current_amax.item() == 0 and scale.item() == 1
+    assert amax.item() == 0
+
+
+def test_element_offsets_past_2_31():
+    # Rows 2**30 elements apart (a column slice of a wide buffer): offsets of row 2 pass 2**31, which
+    # 32-bit index arithmetic wraps. Only the 48 elements read are ever touched: the buffer stays virtual.
+    buffer = torch.empty(2**31 + 16, dtype=torch.bfloat16, device=DEVICE)
+    grad = buffer.as_strided((3, 16), (2**30, 1))
+    grad.copy_(torch.arange(1, 4, dtype=torch.bfloat16, device=DEVICE)[:, None].expand(3, 16))
+    pre = torch.ones(3, 16, device=DEVICE)
+    amax = torch.zeros(1, device=DEVICE)
+    dx, dx_t, dbias = dact_dbias_quantize(grad, pre, "relu", scale=torch.ones((), device=DEVICE),
+                                          fp8_dtype=torch.float8_e4m3fn, amax=amax, transpose=True)
+    assert dx.float()[:, 0].tolist() == [1, 2, 3] and torch.equal(dx_t.view(torch.uint8), dx.view(torch.uint8).t())
+    assert dbias.tolist() == [6.0] * 16 and amax.item() == 3
+    y, _, _ = bias_act(grad, None, None)
+    assert y.float()[:, 0].tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_current_scaling_of_a_tiny_amax_keeps_zeros_zero(fp8_dtype):
+    # fp8_max / 1e-37 overflows float32: the scale must stay finite, or 0 * inf turns zeros into NaN
+    x = torch.tensor([[0.0, 1e-37, -1e-38, 0.0]], device=DEVICE)
+    q, _, amax, scale = quantize_current_scaling(x, fp8_dtype=fp8_dtype)
+    assert scale.item() == torch.finfo(torch.float32).max
+    expected = (x * torch.finfo(torch.float32).max).to(fp8_dtype)  # about 34 and -3.4 in fp32, then rounded
+    assert q.view(torch.uint8).tolist() == expected.view(torch.uint8).tolist()
+    assert q.float()[0, 0] == 0 and q.float()[0, 3] == 0
+
+
+def test_bias_act_amax_leaves_out_the_rows_past_the_end():
+    # h + b = 0 everywhere: the rows the last tile pads with h = 0 hold act(b), which is not output
+    h = torch.tensor([[3.0, -2.0]], device=DEVICE)
+    b = torch.tensor([-3.0, 2.0], device=DEVICE)
+    for activation in (None, "silu", "gelu_tanh"):
+        amax = torch.zeros(1, device=DEVICE)
+        y, _, _ = bias_act(h, b, activation, scale=torch.ones((), device=DEVICE), fp8_dtype=torch.float8_e4m3fn,
+                           amax=amax)
+        assert y.abs().max().item() == 0 and amax.item() == 0, activation
+
+
+def test_bias_act_refuses_a_pre_act_out_it_cannot_write_in_place():
+    h = torch.randn(2, 3, 8, device=DEVICE)
+    pre_act_out = torch.zeros(2, 4, 8, device=DEVICE)[:, :3, :]  # rows not evenly spaced: no (6, 8) view
+    with pytest.raises(ValueError, match=r"`pre_act_out` must be viewable as \(6, 8\) rows"):
+        bias_act(h, torch.randn(8, device=DEVICE), "relu", pre_act_out=pre_act_out)
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_saturates_instead_of_overflowing(fp8_dtype):
     grad, pre = _inputs((20,), 48, torch.float32)

@@ -60,3 +60,15 @@ def test_new_scales_are_new_tensors_spaced_16_bytes():
     assert torch.equal(scale, before)  # the old scale is never written: a pending backward may hold it
     assert new.stride(0) == 4 and new_inv.stride(0) == 4
     assert all(new[i].data_ptr() % 16 == 0 for i in range(5))
+
+
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+def test_an_amax_too_small_for_a_finite_scale_gets_the_largest_finite_one(fp8_max):
+    # fp8_max / 1e-37 overflows float32; an infinite scale would turn every zero it multiplies into NaN
+    history = torch.tensor([[1e-37, 1.0]], device=DEVICE)
+    scale = torch.ones(2, device=DEVICE)
+    for update in (update_scales, update_scales_reference):
+        _, new, new_inv = update(history.clone(), scale, torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                                 fp8_max=fp8_max, margin=0, use_max=True)
+        assert new.tolist() == [torch.finfo(torch.float32).max, fp8_max], update.__name__
+        assert new_inv[0].item() == (1.0 / torch.tensor(torch.finfo(torch.float32).max)).item() > 0

@@ -5,14 +5,16 @@ every machine that runs this example, so nothing is ever downloaded. Tokens are 
 (vocabulary 256) unless `tokenizer` names a local Hugging Face tokenizer directory.
 """
 
+import itertools
 import logging
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,21 @@ class RandomBlockDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         start = int(self.offsets[index])
         chunk = self.tokens[start : start + self.block_size + 1].long()  # (T + 1,)
         return chunk[:-1], chunk[1:]  # inputs (T,), targets (T,)
+
+
+class ResumingSampler(Sampler[int]):
+    """Indices ``0 .. n-1`` in order; the first pass starts at ``start`` (the samples a resumed epoch
+    has already trained on come last, past where Lightning ends the epoch), later passes at 0."""
+
+    def __init__(self, n: int, start: int = 0) -> None:
+        self.n, self.start = n, start % n if n else 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0
+        return itertools.chain(range(start, self.n), range(start))
 
 
 class TextDataModule(L.LightningDataModule):
@@ -194,19 +211,26 @@ class TextDataModule(L.LightningDataModule):
         self.val_dataset = RandomBlockDataset(tokens[n_train:], self.block_size, self.val_blocks, self.seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        return self._dataloader(self.train_dataset)
+        # A run resumed mid-epoch: Lightning restores its loops before it asks for the loader, so the
+        # samples every rank has already trained on this epoch are known; start after them rather
+        # than replay the epoch from its first block.
+        start = 0
+        if self.trainer is not None:
+            done = self.trainer.fit_loop.epoch_loop.batch_progress.current.completed
+            start = done * self.batch_size * self.trainer.world_size
+        return self._dataloader(self.train_dataset, start)
 
     def val_dataloader(self) -> DataLoader:
         return self._dataloader(self.val_dataset)
 
-    def _dataloader(self, dataset: RandomBlockDataset | None) -> DataLoader:
+    def _dataloader(self, dataset: RandomBlockDataset | None, start: int = 0) -> DataLoader:
         if dataset is None:
             raise RuntimeError("TextDataModule.setup() must run before its dataloaders are asked for")
         # no shuffling: the offsets are already random, and a fixed order keeps runs repeatable
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=False,
+            sampler=ResumingSampler(len(dataset), start),
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,

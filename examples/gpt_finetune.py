@@ -297,8 +297,9 @@ class TokensPerSecond(Callback):
 
     Args:
         window: optimizer steps in the logged moving average.
-        warmup_steps: first optimizer steps left out of `tokens_per_sec` (they pay for allocator
-            growth and library initialization, not training).
+        warmup_steps: first optimizer steps this run makes (a resumed run too) left out of the logged
+            window and of `tokens_per_sec` (they pay for allocator growth, library initialization and
+            the FP8 callback's benchmark, not training).
     """
 
     def __init__(self, window: int = 10, warmup_steps: int = 2) -> None:
@@ -309,6 +310,7 @@ class TokensPerSecond(Callback):
         self._start: float | None = None
         self._tokens = 0
         self._last_step = -1
+        self._steps = 0  # optimizer steps seen by this run
 
     @property
     def tokens_per_sec(self) -> float:
@@ -333,11 +335,14 @@ class TokensPerSecond(Callback):
             return  # gradient accumulation: the optimizer has not stepped yet
         _synchronize(pl_module.device)
         now = time.perf_counter()
-        self.recent.append((self._tokens, now - self._start))
-        if trainer.global_step > self.warmup_steps:
-            self.total_tokens += self._tokens
-            self.total_seconds += now - self._start
+        tokens, seconds = self._tokens, now - self._start
         self._start, self._tokens, self._last_step = now, 0, trainer.global_step
+        self._steps += 1
+        if self._steps <= self.warmup_steps:
+            return  # warm-up (compilation, the callback's benchmark): in neither the total nor the window
+        self.recent.append((tokens, seconds))
+        self.total_tokens += tokens
+        self.total_seconds += seconds
 
         tokens = sum(tokens for tokens, _ in self.recent)
         seconds = sum(seconds for _, seconds in self.recent)
@@ -410,8 +415,9 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainRes
     )
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_path) if resume_path else None)
-    if module.val_history and module.val_history[-1][0] != trainer.global_step:
-        # the last scheduled validation came before the last step: validate and save the final model too
+    last_validated = module.val_history[-1][0] if module.val_history else None
+    if trainer.limit_val_batches != 0 and last_validated != trainer.global_step:
+        # no validation at the last step (none scheduled there, or none at all): validate and save the final model
         trainer.validate(module, datamodule=datamodule, verbose=False)
         if save_checkpoints:
             trainer.save_checkpoint(last_checkpoint)

@@ -19,6 +19,7 @@ from typing_extensions import override
 from .autocast import fp8_autocast
 from .config import FuseConfig, make_fuse_config
 from .fuse import FuseReport, fp8_state_of, fuse_
+from .kernels import device_has_fp8
 from .modules import FP8LinearBase
 from .recipe import DelayedScaling, Recipe, make_recipe
 from .scaling import FP8ScalingState
@@ -126,6 +127,7 @@ class FusedBackwardCallback(Callback):
         self._last_update_step = -1
         self._measured = False  # measured (or restored) once: never again, even when nothing was measurable
         self._fused_for: Optional[weakref.ref] = None
+        self._device_reason = ""  # why the training device runs the swapped modules in high precision, if it does
         self._stepped = False  # an optimizer step happened since the last on_train_batch_end
         self._steps_since_log = 0
         self._log_clock = time.perf_counter()
@@ -140,6 +142,10 @@ class FusedBackwardCallback(Callback):
             self.report, self.state, self._modules = None, None, {}
             self.speedups, self.decisions, self._measured = {}, {}, False
         self._fused_for = weakref.ref(pl_module)
+        device = trainer.strategy.root_device
+        if not (device_has_fp8(device) or (self.fuse_config.emulate and device.type == "cpu")):
+            self._device_reason = (f"high precision on {device}: FP8 GEMMs need a CUDA GPU of compute capability "
+                                   "8.9 or newer")
         # Callbacks' setup runs before the LightningModule's own setup and configure_model, either of
         # which may build the layers: swap in the configure_model slot, which Lightning calls after both
         # (an instance attribute counts as overridden), still before the strategy wraps the model.
@@ -339,6 +345,7 @@ class FusedBackwardCallback(Callback):
             self._loaded = dict(state_dict)
         else:
             self._apply_loaded(state_dict)
+            self._print_table()  # the one printed at the swap showed the decisions before the checkpoint's
 
     def _apply_loaded(self, state_dict: dict[str, Any]) -> None:
         if self.state is not None and state_dict.get("fp8_state") is not None:
@@ -379,7 +386,10 @@ class FusedBackwardCallback(Callback):
             elif not self.decisions.get(name, True):
                 path = "reverted (slower)"
             else:
-                path = ("FP8" if fp8 and self.recipe is not None else "fused, high precision")
+                path = ("FP8" if fp8 and self.recipe is not None and not self._device_reason
+                        else "fused, high precision")
+                if self.recipe is not None and fp8 and not reason:
+                    reason = self._device_reason
             speedup = f"{self.speedups[name]:.2f}x" if name in self.speedups else "-"
             table.add_row(name, f"{fan_in} -> {fan_out}", activation, path, speedup, reason)
         console = Console(width=160)

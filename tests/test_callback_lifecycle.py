@@ -175,3 +175,24 @@ def test_setup_twice_before_the_layers_exist_swaps_once(tmp_path):
     callback.setup(trainer, model, "fit")  # e.g. a second entry point calling the hooks again
     trainer.fit(model)
     assert type(model.mlp[0]) is FusedLinearBiasActivation and "configure_model" not in model.__dict__
+
+
+def test_the_table_says_a_cpu_run_is_high_precision_and_why(tmp_path):
+    torch.manual_seed(0)
+    on_cpu = FusedBackwardCallback(benchmark="off")
+    make_trainer(tmp_path, [on_cpu], max_steps=1).fit(BoringMLPModel())
+    table = on_cpu.table()
+    assert "fused, high precision" in table and "FP8 GEMMs need a CUDA GPU" in table and "│ FP8 " not in table
+    emulated = FusedBackwardCallback(benchmark="off", emulate=True)  # FP8 runs on CPU: the table says FP8
+    make_trainer(tmp_path, [emulated], max_steps=1).fit(BoringMLPModel())
+    assert "│ FP8 " in emulated.table() and "need a CUDA GPU" not in emulated.table()
+
+
+def test_the_table_is_printed_again_once_a_checkpoint_changes_the_decisions(tmp_path):
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(emulate=True, benchmark="off")
+    make_trainer(tmp_path, [callback], max_steps=1).fit(BoringMLPModel())
+    with mock.patch("lightning_fuse.callback.rank_zero_info") as info:
+        callback.load_state_dict({**callback.state_dict(), "decisions": {"mlp.0": False, "mlp.2": True}})
+    (printed,), _ = info.call_args
+    assert "reverted (slower)" in printed and not callback._modules["mlp.0"].fused

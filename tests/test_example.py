@@ -295,6 +295,61 @@ def test_resume_from_a_checkpoint_continues_the_run_and_its_fp8_state(tmp_path: 
     assert restored["decisions"] == fuse_state["decisions"]
 
 
+def test_a_resumed_run_trains_on_what_the_uninterrupted_run_trains_on(tmp_path: Path) -> None:
+    from lightning.pytorch import Callback
+
+    class Batches(Callback):  # a fingerprint of every training batch, by optimizer step
+        def __init__(self) -> None:
+            self.seen: dict[int, int] = {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen[trainer.global_step] = int(batch[0].sum())
+
+    # warm-up longer than the run: the learning-rate schedule does not depend on max_steps
+    common = ["trainer.val_check_interval=3", "optimizer.warmup_steps=10", "fuse=null"]
+    whole, first, second = Batches(), Batches(), Batches()
+    uninterrupted = train(quick_config(tmp_path / "whole", ["trainer.max_steps=6", *common]), extra_callbacks=[whole])
+    half = train(quick_config(tmp_path / "half", ["trainer.max_steps=3", *common]), extra_callbacks=[first])
+    resumed = train(quick_config(tmp_path / "resumed", [f"resume_from={half.checkpoint_path}", "trainer.max_steps=6",
+                                                        *common]), extra_callbacks=[second])
+    assert {**first.seen, **second.seen} == whole.seen and sorted(second.seen) == [3, 4, 5]
+    assert resumed.val_loss == pytest.approx(uninterrupted.val_loss, rel=1e-6)
+
+
+def test_a_run_without_scheduled_validation_still_ends_with_one(tmp_path: Path) -> None:
+    result = train(quick_config(tmp_path, ["trainer.max_steps=5", "trainer.num_sanity_val_steps=0", "fuse=null"]))
+    assert [step for step, _ in result.val_history] == [5] and math.isfinite(result.val_loss)
+    assert torch.load(result.checkpoint_path, weights_only=True)["global_step"] == 5
+
+
+def test_the_logged_tokens_per_sec_leaves_out_the_warm_up_as_the_summary_does(tmp_path: Path) -> None:
+    from lightning.pytorch import Callback
+
+    class Logged(Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.value = trainer.callback_metrics["train/tokens_per_sec"].item()
+
+    logged = Logged()
+    # 6 steps, 2 of warm-up, a window of 10: the last logged window holds exactly the summary's steps
+    result = train(quick_config(tmp_path, ["trainer.max_steps=6", "trainer.val_check_interval=6", "fuse=null"]),
+                   extra_callbacks=[logged])
+    assert logged.value == pytest.approx(result.tokens_per_sec, rel=1e-5)
+
+
+def test_a_misspelt_recipe_field_names_the_valid_ones() -> None:
+    import hydra.errors
+    import hydra.utils
+
+    cfg = compose_config(["+fuse.recipe.amax_histroy_len=16", "output_dir=/tmp/unused"])
+    # Hydra wraps the callback's ValueError; without `_recursive_: false` it was a bare TypeError of
+    # DelayedScaling.__init__ naming no valid field
+    with pytest.raises(hydra.errors.InstantiationException, match=r"unknown DelayedScaling field\(s\) \['amax_histroy_len'\]; valid fields"):
+        hydra.utils.instantiate(cfg.fuse)
+    callback = hydra.utils.instantiate(compose_config(["fuse.recipe.amax_history_len=16", "fuse.convert=all",
+                                                       "output_dir=/tmp/unused"]).fuse)
+    assert callback.recipe.amax_history_len == 16 and callback.fuse_config.convert == "all"
+
+
 def test_missing_resume_from_names_it(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"resume_from='.*gone\.ckpt' is not a file.*Expected a checkpoint"):
         train(quick_config(tmp_path, [f"resume_from={tmp_path / 'gone.ckpt'}", "fuse=null"]))

@@ -73,13 +73,14 @@ def act_forward(x, ACTIVATION: tl.constexpr):
         # -2 u log2(e) = x (-2.302208198144325 - 0.1029432395800235 * x^2).
         return x * _sigmoid(x * (-2.302208198144325 - 0.1029432395800235 * x * x))
     elif ACTIVATION == 3:
-        return tl.maximum(x, 0.0)
+        # NaN stays NaN, as in PyTorch (tl.maximum's default drops it on the GPU: max(NaN, 0) = 0)
+        return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif ACTIVATION == 4:
         return x * _sigmoid(-1.4426950408889634 * x)
     elif ACTIVATION == 5:
         return x * _sigmoid(-2.4554669595930156 * x)
     elif ACTIVATION == 6:
-        r = tl.maximum(x, 0.0)
+        r = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return r * r
     else:
         return x
@@ -99,7 +100,7 @@ def act_derivative(x, ACTIVATION: tl.constexpr):
         s = _sigmoid(x * (-2.302208198144325 - 0.1029432395800235 * x2))
         return s + x * s * (1.0 - s) * (1.5957691216057308 + 0.21406444881780076 * x2)
     elif ACTIVATION == 3:
-        return tl.where(x > 0.0, 1.0, 0.0)
+        return tl.where(x <= 0.0, 0.0, 1.0)  # 1 at NaN, as PyTorch's threshold_backward passes the gradient
     elif ACTIVATION == 4:
         s = _sigmoid(-1.4426950408889634 * x)
         return s * (1.0 + x * (1.0 - s))
@@ -107,7 +108,7 @@ def act_derivative(x, ACTIVATION: tl.constexpr):
         s = _sigmoid(-2.4554669595930156 * x)
         return s + 1.702 * x * s * (1.0 - s)
     elif ACTIVATION == 6:
-        return 2.0 * tl.maximum(x, 0.0)
+        return 2.0 * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN: autograd of relu(x)**2 gives NaN
     else:
         return x * 0.0 + 1.0
 
@@ -129,7 +130,7 @@ def activation_reference(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def activation_derivative_reference(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``act'(x)`` in ``x``'s dtype (ReLU's derivative at 0 is 0, as in PyTorch)."""
+    """``act'(x)`` in ``x``'s dtype (ReLU's derivative is 0 at 0 and 1 at NaN, as PyTorch's gradient is)."""
     activation_id(name)
     if name == "gelu":
         return 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2)) + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
@@ -137,7 +138,7 @@ def activation_derivative_reference(x: torch.Tensor, name: str) -> torch.Tensor:
         t = torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
     if name == "relu":
-        return (x > 0).to(x.dtype)
+        return (~(x <= 0)).to(x.dtype)
     if name == "silu":
         s = torch.sigmoid(x)
         return s * (1.0 + x * (1.0 - s))

@@ -7,6 +7,7 @@ of the float64 reference (>= 99% bit-exact, every element within one FP8 step).
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -164,6 +165,21 @@ def test_bias_act_amax_leaves_out_the_rows_past_the_end():
         y, _, _ = bias_act(h, b, activation, scale=torch.ones((), device=DEVICE), fp8_dtype=torch.float8_e4m3fn,
                            amax=amax)
         assert y.abs().max().item() == 0 and amax.item() == 0, activation
+
+
+@pytest.mark.parametrize("activation", ["relu", "squared_relu"])
+def test_a_nan_pre_activation_stays_nan_through_relu(activation):
+    # As in PyTorch: relu(NaN) is NaN, and so is autograd's gradient of relu(x)**2 there. (Triton's
+    # default max drops NaN on the GPU; the interpreter keeps it, so this guards the GPU.)
+    h = torch.tensor([[float("nan"), 1.0, -1.0, 2.0]], device=DEVICE)
+    y, _, _ = bias_act(h, None, activation)
+    assert y[0, 0].isnan() and torch.equal(y[0, 1:].cpu(), activation_reference(h[0, 1:].cpu(), activation))
+    amax = torch.zeros(1, device=DEVICE)
+    dx, _, _ = dact_dbias_quantize(torch.ones_like(h), h, activation, amax=amax)
+    x = h.detach().cpu().double().requires_grad_()
+    (torch.relu(x) if activation == "relu" else torch.relu(x) ** 2).sum().backward()  # PyTorch's own gradient
+    assert torch.allclose(dx.cpu().double(), x.grad, rtol=0, atol=0, equal_nan=True)
+    assert math.isfinite(amax.item()) == (not x.grad.isnan().any())
 
 
 def test_bias_act_refuses_a_pre_act_out_it_cannot_write_in_place():

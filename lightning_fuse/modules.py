@@ -409,14 +409,16 @@ class FP8LinearBase(nn.Module):
             _warn_once(f"dtype:{x.dtype}", f"lightning_fuse: running in high precision: input dtype {x.dtype} "
                                            "has no FP8 path (float32, bfloat16 or float16 expected)")
             return None
-        if x.numel() == 0:
-            return None
         if self.fp8_state is None:
             raise RuntimeError(f"{self._fqn()} has no FP8 state: create fused modules with fuse_(model), which registers "
                                "them, or call bind_fp8_state")
         if isinstance(ctx.recipe, DelayedScaling):
+            # Even for an empty batch: the scaling state must exist on every rank by the first update, whose
+            # amax all-reduce every rank joins (a rank without it would skip the collective and the others wait).
             self.fp8_state.ensure(ctx.recipe.amax_history_len, x.device)
             ctx.states[id(self.fp8_state)] = self.fp8_state
+        if x.numel() == 0:
+            return None
         if self._recompute is not ctx.recipe:
             self._recompute = ctx.recipe
         return ctx.recipe

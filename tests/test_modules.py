@@ -118,6 +118,16 @@ def test_empty_batch_backward_gives_zero_gradients(recipe, kind):
     assert torch.equal(linear.weight.grad, torch.zeros(32, 16)) and torch.equal(linear.bias.grad, torch.zeros(32))
 
 
+def test_an_empty_first_batch_still_creates_the_scaling_state():
+    # Under DDP every rank joins the delayed-scaling update's amax all-reduce, which a rank runs only
+    # once its state exists: a rank whose first batch is empty must have it too.
+    module, state = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True))
+    with fp8_autocast(DelayedScaling(amax_history_len=4), update_scales=False):
+        module(torch.randn(0, 16))
+    assert state.groups and state.groups["forward"].history.shape[0] == 4
+    assert torch.equal(state.groups["forward"].history, torch.zeros_like(state.groups["forward"].history))
+
+
 def test_frozen_weight_and_bias():
     linear = nn.Linear(16, 32)
     linear.weight.requires_grad_(False)

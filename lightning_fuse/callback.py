@@ -48,7 +48,8 @@ class FusedBackwardCallback(Callback):
       after gradient accumulation (in ``validate``/``test``/``predict`` runs, where no optimizer
       steps, the forward scales update after each batch from the rank's own amaxes); every
       ``log_every_n_steps`` optimizer steps ``fuse/nonfinite_amax``, ``fuse/scale_min``,
-      ``fuse/scale_max`` and ``fuse/step_time_ms`` are logged.
+      ``fuse/scale_max`` and ``fuse/step_time_ms`` (wall time per optimizer step, validation and
+      the checkpoints saved after it left out) are logged.
     - ``state_dict``: the FP8 state (amax histories, scales, counters) and the benchmark decisions,
       so a resumed run continues with the same scales; the model's own ``state_dict`` stays the plain
       model's.
@@ -131,6 +132,7 @@ class FusedBackwardCallback(Callback):
         self._stepped = False  # an optimizer step happened since the last on_train_batch_end
         self._steps_since_log = 0
         self._log_clock = time.perf_counter()
+        self._paused_at: Optional[float] = None  # when validation inside fit began (its time is not a step's)
 
     # -- setup: swap ------------------------------------------------------------------------------
 
@@ -256,7 +258,18 @@ class FusedBackwardCallback(Callback):
         self._reset_clock()
 
     @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            # The queued training work finishes first, so it is counted as training, not validation.
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)
+            self._paused_at = time.perf_counter()
+
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._paused_at is not None:  # validation and the checkpoint saved after it: not step time
+            self._log_clock += time.perf_counter() - self._paused_at
+            self._paused_at = None
         if self._should_measure() and not self._capture_handles:
             self._start_capture()
         self._enter()

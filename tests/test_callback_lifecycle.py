@@ -5,6 +5,7 @@ gradients counted under current scaling."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from unittest import mock
 
@@ -196,3 +197,21 @@ def test_the_table_is_printed_again_once_a_checkpoint_changes_the_decisions(tmp_
         callback.load_state_dict({**callback.state_dict(), "decisions": {"mlp.0": False, "mlp.2": True}})
     (printed,), _ = info.call_args
     assert "reverted (slower)" in printed and not callback._modules["mlp.0"].fused
+
+
+class _SlowValidation(BoringMLPModel):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.25)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_step_time_leaves_out_validation(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references: steps of a few ms on CPU
+    torch.manual_seed(0)
+    logger = mock_logger(tmp_path)
+    callback = FusedBackwardCallback(recipe=None, benchmark="off", log_every_n_steps=4)
+    # a validation of two 0.25 s batches after step 2, inside the 4 logged steps: 125 ms more a step if it counted
+    make_trainer(tmp_path, [callback], max_steps=4, logger=logger, val_check_interval=2, limit_val_batches=2,
+                 check_val_every_n_epoch=None).fit(_SlowValidation())
+    ((step, metrics),) = [(s, m) for s, m in logged(logger) if "fuse/step_time_ms" in m]
+    assert step == 4 and metrics["fuse/step_time_ms"] < 60, metrics

@@ -42,7 +42,7 @@ FORMAT_DTYPES: dict[int, torch.dtype] = {fmt.code: fmt.dtype for fmt in FP8_FORM
 
 def fp8_format(fp8_dtype: object, argument: str = "fp8_dtype") -> FP8Format:
     """The format of ``fp8_dtype``, or a ``ValueError`` naming what is accepted."""
-    fmt = FP8_FORMATS.get(fp8_dtype)  # type: ignore[arg-type]
+    fmt = FP8_FORMATS.get(fp8_dtype) if isinstance(fp8_dtype, torch.dtype) else None  # a list is unhashable
     if fmt is None:
         accepted = ", ".join(str(d) for d in FP8_FORMATS)
         raise ValueError(f"`{argument}` must be one of {accepted} (or None); got {fp8_dtype!r}")

@@ -454,6 +454,11 @@ def test_rejects_missing_scale_and_bad_fp8_dtype():
                             fp8_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="`transpose=True` needs `fp8_dtype`"):
         dact_dbias_quantize(grad, pre, "gelu", transpose=True)
+    for bad in ([torch.float8_e5m2], "float8_e5m2"):  # a list is unhashable: still the message, not a TypeError
+        with pytest.raises(ValueError, match=r"`fp8_dtype` must be one of .*; got "):
+            dact_dbias_quantize(grad, pre, "gelu", scale=torch.ones((), device=DEVICE), fp8_dtype=bad)
+        with pytest.raises(ValueError, match=r"`fp8_dtype` must be one of .*; got "):
+            quantize(grad, scale=torch.ones((), device=DEVICE), fp8_dtype=bad)
 
 
 def test_rejects_unknown_activation_and_bad_amax():

@@ -398,7 +398,8 @@ class FP8LinearBase(nn.Module):
             return None
         if self.fp8_reason:
             name = self._fqn()
-            _warn_once(f"shape:{name}", f"{name}: running in high precision: {self.fp8_reason}")
+            # keyed by the model's scaling state too: another model's module of the same name warns for itself
+            _warn_once(f"shape:{id(self.fp8_state)}:{name}", f"{name}: running in high precision: {self.fp8_reason}")
             return None
         if not (device_has_fp8(x.device) or (self.emulate and x.device.type == "cpu")):
             why = ("the GPU has no FP8 (compute capability 8.9 or newer needed)" if x.device.type == "cuda"

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import lightning_fuse.modules
 from helpers_models import Conv1D
 from fp8_checks import sqnr_db
 from lightning_fuse import (
@@ -126,6 +127,19 @@ def test_an_empty_first_batch_still_creates_the_scaling_state():
         module(torch.randn(0, 16))
     assert state.groups and state.groups["forward"].history.shape[0] == 4
     assert torch.equal(state.groups["forward"].history, torch.zeros_like(state.groups["forward"].history))
+
+
+def test_an_ineligible_shape_warns_once_per_model():
+    lightning_fuse.modules._WARNED.clear()
+    first, _ = _bound(FusedLinearBiasActivation(nn.Linear(16, 40), "gelu", emulate=True), "mlp.0")
+    again, _ = _bound(FusedLinearBiasActivation(nn.Linear(16, 40), "gelu", emulate=True), "mlp.0")
+    with warnings.catch_warnings(record=True) as caught, fp8_autocast(update_scales=False):
+        warnings.simplefilter("always")
+        for module in (first, first, again):
+            module(torch.randn(4, 16))
+    messages = [str(w.message) for w in caught if "running in high precision" in str(w.message)]
+    assert messages == ["mlp.0: running in high precision: out_features=40 not a multiple of 16, which "
+                        "torch._scaled_mm requires"] * 2  # once for each model, not once per process
 
 
 def test_frozen_weight_and_bias():

@@ -25,6 +25,7 @@ __all__ = [
     "LaunchRule",
     "launch_config",
     "launcher",
+    "needs_index_64",
     "row_loop",
     "ENCODERS",
     "fp8_encoder",
@@ -130,6 +131,14 @@ def check_amax(amax: object, device: torch.device) -> torch.Tensor | None:
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``(M, N)`` over its last dimension: a view where the strides allow one, else a copy."""
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: N may be 0
+
+
+def needs_index_64(m: int, n: int, *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a pass over ``(m, n)`` rows (contiguous outputs) reading or writing ``tensors`` (``None``
+    skipped) reaches an element offset of 2**31: then its kernel indexes in 64 bits (``INDEX_64``)."""
+    extents = (1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+               for t in tensors if t is not None)
+    return max(m * n, *extents) >= 2**31
 
 
 @dataclass(frozen=True)

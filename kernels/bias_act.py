@@ -12,7 +12,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from ._launch import (LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder, launch_config,
-                      launcher, row_loop, use_triton)
+                      launcher, needs_index_64, row_loop, use_triton)
 from .activations import act_forward, activation_id, activation_reference
 from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
 
@@ -117,8 +117,7 @@ def _launch(h: torch.Tensor, bias: Optional[torch.Tensor], activation: int, scal
         STORE_Y=True, FP8_FORMAT=fp8_code,
         TRANSPOSE=transpose, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(h),
         LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch,
-        INDEX_64=max(m * n, 1 + (m - 1) * abs(stride_h[0]) + (n - 1) * abs(stride_h[1]),
-                     (m - 1) * pre_act_out.stride(0) + n if pre_act_out is not None else 0) >= 2**31,
+        INDEX_64=needs_index_64(m, n, h, pre_act_out),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
     )
 
@@ -172,14 +171,6 @@ def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation
     return y, q, (q.t().contiguous() if transpose else None)
 
 
-def _viewable_as_rows(t: torch.Tensor) -> bool:
-    try:
-        t.view(-1, t.shape[-1])
-        return True
-    except RuntimeError:
-        return False
-
-
 def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = "gelu_tanh", *,
              scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
              amax: Optional[torch.Tensor] = None, transpose: bool = False,
@@ -218,7 +209,8 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
         if pre_act_out.shape != h.shape or pre_act_out.stride(-1) != 1:
             raise ValueError(f"`pre_act_out` must have `h`'s shape {tuple(h.shape)} with contiguous rows; got shape "
                              f"{tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
-        if pre_act_out.dim() != 2 and pre_act_out.numel() and not _viewable_as_rows(pre_act_out):
+        pre_rows = pre_act_out if pre_act_out.dim() == 2 else as_rows(pre_act_out)
+        if pre_rows.numel() and pre_rows.data_ptr() != pre_act_out.data_ptr():  # a copy: the caller's stays unwritten
             raise ValueError(f"`pre_act_out` must be viewable as ({h.shape[:-1].numel()}, {n}) rows (it is written "
                              f"in place); got shape {tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
         if bias is None and pre_act_out is h:
@@ -237,8 +229,8 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
         bias = bias.contiguous()
     if scale is not None and scale.dim() != 0:
         scale = scale.reshape(())
-    if pre_act_out is not None and pre_act_out.dim() != 2:
-        pre_act_out = as_rows(pre_act_out)
+    if pre_act_out is not None:
+        pre_act_out = pre_rows
     if torch.compiler.is_compiling():
         y, q, q_t = _bias_act_op(h2, bias, act, h.dtype, scale, code, amax, transpose, pre_act_out, True)
     else:

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder,
-                      launch_config, launcher, row_loop, use_triton)
+                      launch_config, launcher, needs_index_64, row_loop, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
 from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
 
@@ -299,11 +299,6 @@ def _pass_name(activation: int, compute_dbias: bool) -> str:
     return "dact_dbias_quantize" if activation else ("dbias_quantize" if compute_dbias else "quantize")
 
 
-def _extent(t: torch.Tensor) -> int:
-    """One past the largest element offset of ``t`` from its first element."""
-    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-
-
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
             compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool):
     """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs (``out_t``/``dbias`` may be
@@ -328,7 +323,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
         PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, FINISH_DBIAS=counters is not None,
         DBIAS_BF16=dbias_bf16, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
         LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch,
-        INDEX_64=max(m * n, _extent(grad), _extent(pre_act) if pre_act is not None else 0) >= 2**31,
+        INDEX_64=needs_index_64(m, n, grad, pre_act),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         **({"maxnreg": config.max_registers} if config.max_registers and not traced else {}),
     )

@@ -19,8 +19,7 @@ from typing_extensions import override
 from .autocast import fp8_autocast
 from .config import FuseConfig, make_fuse_config
 from .fuse import FuseReport, fp8_state_of, fuse_
-from .kernels import device_has_fp8
-from .modules import FP8LinearBase
+from .modules import FP8LinearBase, fp8_device_problem
 from .recipe import DelayedScaling, Recipe, make_recipe
 from .scaling import FP8ScalingState
 from .speed import measure, shape_key
@@ -144,10 +143,8 @@ class FusedBackwardCallback(Callback):
             self.report, self.state, self._modules = None, None, {}
             self.speedups, self.decisions, self._measured = {}, {}, False
         self._fused_for = weakref.ref(pl_module)
-        device = trainer.strategy.root_device
-        if not (device_has_fp8(device) or (self.fuse_config.emulate and device.type == "cpu")):
-            self._device_reason = (f"high precision on {device}: FP8 GEMMs need a CUDA GPU of compute capability "
-                                   "8.9 or newer")
+        problem = fp8_device_problem(trainer.strategy.root_device, self.fuse_config.emulate)
+        self._device_reason = f"high precision: {problem}" if problem else ""
         # Callbacks' setup runs before the LightningModule's own setup and configure_model, either of
         # which may build the layers: swap in the configure_model slot, which Lightning calls after both
         # (an instance attribute counts as overridden), still before the strategy wraps the model.

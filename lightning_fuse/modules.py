@@ -47,9 +47,19 @@ from .autocast import active_context
 from .recipe import DelayedScaling, Recipe
 from .scaling import FP8ScalingState
 
-__all__ = ["FP8Linear", "FP8LinearBase", "FusedLinearBiasActivation", "fp8_shape_reason", "is_linear_like", "linear_dims"]
+__all__ = ["FP8Linear", "FP8LinearBase", "FusedLinearBiasActivation", "fp8_device_problem", "fp8_shape_reason", "is_linear_like",
+           "linear_dims"]
 
 _WARNED: set[str] = set()
+
+
+def fp8_device_problem(device: torch.device, emulate: bool = False) -> str:
+    """Why the swapped modules run in high precision on ``device``, or ``""`` where FP8 runs there."""
+    if device_has_fp8(device) or (emulate and device.type == "cpu"):
+        return ""
+    if device.type == "cuda":
+        return "the GPU has no FP8 (compute capability 8.9 or newer needed)"
+    return f"FP8 GEMMs need a CUDA GPU; the input is on {device} (emulate=True runs them on CPU)"
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -401,9 +411,8 @@ class FP8LinearBase(nn.Module):
             # keyed by the model's scaling state too: another model's module of the same name warns for itself
             _warn_once(f"shape:{id(self.fp8_state)}:{name}", f"{name}: running in high precision: {self.fp8_reason}")
             return None
-        if not (device_has_fp8(x.device) or (self.emulate and x.device.type == "cpu")):
-            why = ("the GPU has no FP8 (compute capability 8.9 or newer needed)" if x.device.type == "cuda"
-                   else f"FP8 GEMMs need a CUDA GPU; the input is on {x.device} (emulate=True runs them on CPU)")
+        why = fp8_device_problem(x.device, self.emulate)
+        if why:
             _warn_once(f"device:{x.device.type}", f"lightning_fuse: running in high precision: {why}")
             return None
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -48,7 +48,8 @@ class FusedBackwardCallback(Callback):
       steps, the forward scales update after each batch from the rank's own amaxes); every
       ``log_every_n_steps`` optimizer steps ``fuse/nonfinite_amax``, ``fuse/scale_min``,
       ``fuse/scale_max`` and ``fuse/step_time_ms`` (wall time per optimizer step, validation and
-      the checkpoints saved after it left out) are logged.
+      the checkpoints saved after it left out, and the first step, whose compile and measurement
+      are not a step's time) are logged.
     - ``state_dict``: the FP8 state (amax histories, scales, counters) and the benchmark decisions,
       so a resumed run continues with the same scales; the model's own ``state_dict`` stays the plain
       model's.
@@ -137,18 +138,24 @@ class FusedBackwardCallback(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # a new run: nothing of a previous fit's step bookkeeping carries over
+            self._last_update_step, self._paused_at, self._stepped = -1, None, False
+        wrapper = pl_module.__dict__.get("configure_model")
+        owner = getattr(wrapper, "_lightning_fuse", None)
+        if owner is not None and owner is not self:  # left behind by another callback's run that failed
+            del pl_module.configure_model
         if self.report is not None and self._fused_for is not None and self._fused_for() is pl_module:
             return
         if self.report is not None:  # the same callback handed a new model: start again for it
             self.report, self.state, self._modules = None, None, {}
-            self.speedups, self.decisions, self._measured = {}, {}, False
+            self.speedups, self.decisions, self._measured, self._capture = {}, {}, False, {}
         self._fused_for = weakref.ref(pl_module)
         problem = fp8_device_problem(trainer.strategy.root_device, self.fuse_config.emulate)
         self._device_reason = f"high precision: {problem}" if problem else ""
         # Callbacks' setup runs before the LightningModule's own setup and configure_model, either of
         # which may build the layers: swap in the configure_model slot, which Lightning calls after both
         # (an instance attribute counts as overridden), still before the strategy wraps the model.
-        if getattr(pl_module.__dict__.get("configure_model"), "_lightning_fuse", False):
+        if owner is self:
             return  # setup again before Lightning called the hook: the wrapper is in place already
         build = pl_module.configure_model
 
@@ -157,8 +164,14 @@ class FusedBackwardCallback(Callback):
             del pl_module.configure_model
             self._fuse(pl_module)
 
-        configure_model_then_fuse._lightning_fuse = True
+        configure_model_then_fuse._lightning_fuse = self  # whose wrapper it is
         pl_module.configure_model = configure_model_then_fuse
+
+    def _remove_wrapper(self, pl_module: LightningModule) -> None:
+        """Takes this callback's ``configure_model`` wrapper off a model whose run ended before Lightning
+        called it (an exception in the module's own setup, say): the model is left as it was given."""
+        if getattr(pl_module.__dict__.get("configure_model"), "_lightning_fuse", None) is self:
+            del pl_module.configure_model
 
     def _fuse(self, pl_module: LightningModule) -> None:
         with warnings.catch_warnings():  # an unchanged model: the callback's own warning below says so, once
@@ -210,13 +223,15 @@ class FusedBackwardCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         self._print_table()
+        # The step it follows ran the first, compiling forward and backward: neither it nor the
+        # measurement is a training step's time. The window starts again after both.
         self._reset_clock()
 
     def _measure_here(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype]]) -> dict[str, Any]:
         device = trainer.strategy.root_device
         by_shape: dict = {}
         for name, module in self._modules.items():
-            if module.activation is None and (self.recipe is None or module.fp8_reason):
+            if module.activation is None and (self.recipe is None or module.fp8_reason or self._device_reason):
                 continue  # an FP8Linear that cannot run FP8 computes exactly what nn.Linear does
             tokens, dtype = captured.get(name, (self.benchmark_tokens or _DEFAULT_TOKENS, module.weight.dtype))
             by_shape.setdefault(shape_key(module, max(1, tokens), dtype), []).append(name)
@@ -275,15 +290,17 @@ class FusedBackwardCallback(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._exit()
+        measured = False
         if self._capture_handles:
             for handle in self._capture_handles:
                 handle.remove()
             self._capture_handles = []
             self._measure(trainer, self._capture)
+            measured = True
         if not self._stepped:
             return  # gradient accumulation: no optimizer step yet
         self._stepped = False
-        self._steps_since_log += 1
+        self._steps_since_log += 0 if measured else 1
         if trainer.global_step % self.log_every_n_steps == 0:
             self._log_health(trainer)
 
@@ -299,7 +316,9 @@ class FusedBackwardCallback(Callback):
 
     def _log_health(self, trainer: Trainer) -> None:
         now = time.perf_counter()
-        metrics = {"fuse/step_time_ms": (now - self._log_clock) * 1e3 / max(1, self._steps_since_log)}
+        # No step timed since the window began (the step before was the measured one): no step time.
+        metrics = ({"fuse/step_time_ms": (now - self._log_clock) * 1e3 / self._steps_since_log}
+                   if self._steps_since_log else {})
         self._log_clock, self._steps_since_log = now, 0
         if self.state is not None:
             stats = self.state.stats()
@@ -327,6 +346,7 @@ class FusedBackwardCallback(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._exit()
+        self._remove_wrapper(pl_module)
 
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_start
     on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_end
@@ -334,6 +354,7 @@ class FusedBackwardCallback(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._exit()
+        self._remove_wrapper(pl_module)
         for handle in self._capture_handles:
             handle.remove()
         self._capture_handles = []

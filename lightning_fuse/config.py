@@ -139,6 +139,8 @@ def make_fuse_config(config: Union[FuseConfig, Mapping[str, Any], DictConfig, No
         _check_names("activations", raw["activations"], ACTIVATIONS)
     if "exclude" in raw:
         _check_names("exclude", raw["exclude"], None)
+    if "emulate" in raw and not isinstance(raw["emulate"], bool):  # OmegaConf would read "yes" or 2 as True
+        raise TypeError(f"`emulate` must be a bool; got {raw['emulate']!r} ({type(raw['emulate']).__name__})")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(FuseConfig), raw)
     except OmegaConfBaseException as err:

@@ -43,7 +43,7 @@ from lightning_fuse.kernels import (
     use_triton,
 )
 
-from .autocast import active_context
+from .autocast import FP8Context, active_context
 from .recipe import DelayedScaling, Recipe
 from .scaling import FP8ScalingState
 
@@ -108,6 +108,9 @@ def activation_forward(h: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "squared_relu":
         return torch.square(F.relu(h))
     raise ValueError(f"`activation` must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton kernels take
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -243,6 +246,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        _no_double_backward()
         h, xq_t, w_kn, scale_inv_x, scale_inv_w = ctx.saved_tensors
         plan: _FP8Plan = ctx.plan
         module = plan.module
@@ -283,6 +287,17 @@ class _FP8LinearFunction(torch.autograd.Function):
         return dx, dweight, dbias_out, None
 
 
+def _no_double_backward() -> None:
+    """The backward passes run kernels outside autograd: a graph of them (``create_graph=True``) would
+    miss the activation's second derivative and give a wrong answer, so it is refused."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            "lightning_fuse's fused linear modules do not support double backward (backward with "
+            "create_graph=True, as a gradient penalty needs): their backward runs Triton kernels that autograd "
+            "cannot differentiate. Run that model unfused (unfuse_(model)), or leave the module out of fuse_ "
+            "(FuseConfig.exclude)")
+
+
 class _LinearActFunction(torch.autograd.Function):
     """High-precision ``act(x @ W^T + b)`` whose backward is the fused ``dact + dbias`` kernel."""
 
@@ -299,6 +314,7 @@ class _LinearActFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        _no_double_backward()
         x, w, h = ctx.saved_tensors
         n = h.shape[-1]
         dh, _, dbias = dact_dbias_quantize(dy, h, ctx.activation)
@@ -398,12 +414,16 @@ class FP8LinearBase(nn.Module):
     def _fp8_recipe(self, x: torch.Tensor) -> Optional[Recipe]:
         """The recipe when this call runs FP8, else ``None`` (warning once where FP8 was asked for)."""
         ctx = active_context()
-        if ctx is None:
+        if ctx is None and torch._C._current_graph_task_id() != -1:
             # Activation checkpointing recomputes the forward during backward, outside the context:
             # it must take the path the original forward took.
-            if self._recompute is not None and torch._C._current_graph_task_id() != -1:
-                return self._recompute
-            return None
+            return self._recompute
+        recipe = self._fp8_recipe_in(ctx, x) if ctx is not None else None
+        if self._recompute is not recipe:  # what a recomputation of this forward must do
+            self._recompute = recipe
+        return recipe
+
+    def _fp8_recipe_in(self, ctx: FP8Context, x: torch.Tensor) -> Optional[Recipe]:
         if not ctx.enabled:
             return None
         if self.fp8_reason:
@@ -415,22 +435,20 @@ class FP8LinearBase(nn.Module):
         if why:
             _warn_once(f"device:{x.device.type}", f"lightning_fuse: running in high precision: {why}")
             return None
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if x.dtype not in _KERNEL_DTYPES:
             _warn_once(f"dtype:{x.dtype}", f"lightning_fuse: running in high precision: input dtype {x.dtype} "
                                            "has no FP8 path (float32, bfloat16 or float16 expected)")
             return None
         if self.fp8_state is None:
             raise RuntimeError(f"{self._fqn()} has no FP8 state: create fused modules with fuse_(model), which registers "
                                "them, or call bind_fp8_state")
+        ctx.states[id(self.fp8_state)] = self.fp8_state
         if isinstance(ctx.recipe, DelayedScaling):
             # Even for an empty batch: the scaling state must exist on every rank by the first update, whose
             # amax all-reduce every rank joins (a rank without it would skip the collective and the others wait).
             self.fp8_state.ensure(ctx.recipe.amax_history_len, x.device)
-            ctx.states[id(self.fp8_state)] = self.fp8_state
         if x.numel() == 0:
             return None
-        if self._recompute is not ctx.recipe:
-            self._recompute = ctx.recipe
         return ctx.recipe
 
     def _fqn(self) -> str:
@@ -444,9 +462,10 @@ class FP8LinearBase(nn.Module):
         weight = self.weight
         recipe = plan.recipe
         delayed = isinstance(recipe, DelayedScaling)
-        key = (weight._version, weight.data_ptr(), weight.dtype, type(recipe),
-               plan.state.generation if delayed else None)
         compiling = torch.compiler.is_compiling()
+        # Copies made under inference mode are inference tensors, which training cannot save for backward.
+        key = (weight._version, weight.data_ptr(), weight.dtype, type(recipe), recipe.margin, plan.state.steps,
+               plan.state.generation if delayed else None, not compiling and torch.is_inference_mode_enabled())
         if not compiling and self._weight_cache is not None and self._weight_cache[0] == key:
             return self._weight_cache[1]
         with torch.no_grad():
@@ -492,6 +511,11 @@ class FP8LinearBase(nn.Module):
                 consumer.__dict__["_fp8_input"] = (out, out._version, yq, yq_t, scale_inv)
             return out
         if self.activation is None:
+            return self._plain_forward(x)
+        if _compute_dtype(x) not in _KERNEL_DTYPES:  # float64, say: PyTorch's own ops, as nn.Linear and act
+            _warn_once(f"kernel-dtype:{_compute_dtype(x)}",
+                       f"lightning_fuse: {_compute_dtype(x)} runs PyTorch's unfused linear and activation: the fused "
+                       "backward kernel takes float32, bfloat16 or float16")
             return self._plain_forward(x)
         return _LinearActFunction.apply(x, self.weight, self.bias, self.activation, self.weight_is_in_out,
                                         _compute_dtype(x))

@@ -17,13 +17,16 @@ Semantics of an update (delayed scaling):
 - the history rolls by one row and row 0 starts again from zero.
 
 Scales are replaced, not written in place: a backward pass still holding the scale its forward
-used sees the value it quantized with. On GPUs each group's update is one Triton launch
+used sees the value it quantized with. The state is made and replaced outside inference mode even
+when a forward under ``torch.inference_mode`` (Lightning's validate, test and predict) triggers it,
+so a later training step can save it for backward. On GPUs each group's update is one Triton launch
 (``kernels/scale_update.py``); the per-module views ``slot`` hands out are made once per update.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import functools
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,20 @@ __all__ = ["FP8ScalingState"]
 
 _GROUPS = ("forward", "backward")
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _outside_inference_mode(fn: _F) -> _F:
+    """``fn`` run outside ``torch.inference_mode`` when called inside it: tensors made there are
+    inference tensors, which a later training step could not save for backward."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]
+
 
 class _Group:
     """History, scales and non-finite counters of one kind of tensor (forward or backward)."""
@@ -47,6 +64,7 @@ class _Group:
         self.nonfinite = torch.zeros(slots, dtype=torch.int64, device=device)
         self._views: Optional[tuple] = None
 
+    @_outside_inference_mode
     def views(self) -> tuple:
         """Per-slot ``(scales, scale_invs, amaxes)``: made in three calls, not three per slot per step."""
         if self._views is None or self._views[0] is not self.scale or self._views[1] is not self.history:
@@ -66,6 +84,10 @@ class FP8ScalingState:
         self.groups: dict[str, _Group] = {}
         # Bumped at every update of the forward scales: cached FP8 weights are keyed on it.
         self.generation = 0
+        # Bumped at every exit of an fp8_autocast context this model ran FP8 in: cached FP8 weights are
+        # keyed on it too, since a weight can change without its version counter moving (fused
+        # optimizers, writes through .data).
+        self.steps = 0
         self._pending: Optional[dict[str, Any]] = None  # loaded state waiting for a device
         self.current_nonfinite: Optional[torch.Tensor] = None  # non-finite amaxes seen under CurrentScaling
 
@@ -82,6 +104,7 @@ class FP8ScalingState:
     def history_len(self) -> int:
         return self.groups["forward"].history.shape[0] if self.groups else 0
 
+    @_outside_inference_mode
     def ensure(self, history_len: int, device: torch.device) -> None:
         """Allocates (or moves, or resizes the history of) the state for ``device``."""
         n = len(self.names)
@@ -114,6 +137,7 @@ class FP8ScalingState:
 
     # -- updates ------------------------------------------------------------------------------
 
+    @_outside_inference_mode
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, groups: Iterable[str] = _GROUPS) -> None:
         """Turns the newest amaxes of ``groups`` into scales and rolls the histories (module docstring)."""
@@ -142,6 +166,7 @@ class FP8ScalingState:
 
     # -- health ------------------------------------------------------------------------------
 
+    @_outside_inference_mode
     def count_nonfinite(self, amax: torch.Tensor) -> None:
         """Counts a non-finite current-scaling amax (no sync: the count stays on the device)."""
         if self.current_nonfinite is None or self.current_nonfinite.device != amax.device:
@@ -169,6 +194,7 @@ class FP8ScalingState:
                 out[f"{name}.{key}"] = value.detach().cpu().clone()
         return out
 
+    @_outside_inference_mode
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state.get("names", [])) != self.names:
             raise ValueError(

@@ -47,8 +47,22 @@ def shape_key(module: FP8LinearBase, tokens: int, input_dtype: torch.dtype) -> S
                     module.weight_is_in_out, int(tokens), input_dtype, module.weight.dtype)
 
 
+class Conv1D(nn.Module):
+    """A stand-in for transformers' ``Conv1D`` (weight stored ``(in, out)``; matched by its class name),
+    so that a GPT-2 chain is timed in its own weight layout."""
+
+    def __init__(self, nx: int, nf: int, bias: bool, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf, device=device, dtype=dtype) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf, device=device, dtype=dtype)) if bias else None
+
+
 def _copy_of(key: ShapeKey, device: torch.device, emulate: bool) -> FP8LinearBase:
-    linear = nn.Linear(key.in_features, key.out_features, bias=key.bias, device=device, dtype=key.param_dtype)
+    if key.weight_is_in_out:
+        linear: nn.Module = Conv1D(key.in_features, key.out_features, key.bias, device, key.param_dtype)
+    else:
+        linear = nn.Linear(key.in_features, key.out_features, bias=key.bias, device=device, dtype=key.param_dtype)
     module = FusedLinearBiasActivation(linear, key.activation, emulate=emulate) if key.activation else \
         FP8Linear(linear, emulate=emulate)
     module.bind_fp8_state(FP8ScalingState(), f"benchmark[{key.label()}]")

@@ -9,10 +9,12 @@ import time
 import warnings
 from unittest import mock
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_fuse.callback
 import lightning_fuse.modules
 from lightning_fuse import FuseConfig, FusedBackwardCallback, FusedLinearBiasActivation, fp8_autocast, fuse_
 from lightning_fuse.autocast import _STACK, active_context
@@ -215,3 +217,113 @@ def test_step_time_leaves_out_validation(tmp_path, monkeypatch):
                  check_val_every_n_epoch=None).fit(_SlowValidation())
     ((step, metrics),) = [(s, m) for s, m in logged(logger) if "fuse/step_time_ms" in m]
     assert step == 4 and metrics["fuse/step_time_ms"] < 60, metrics
+
+
+@pytest.mark.parametrize("recipe,order", [("delayed", "validate,fit"), ("current", "validate,fit"),
+                                          ("delayed", "fit,validate,fit")])
+def test_validate_before_or_between_fits_leaves_a_state_training_can_use(tmp_path, recipe, order):
+    # Lightning's validate runs under torch.inference_mode: the FP8 state and the FP8 weight copies made
+    # there must not be inference tensors, which the next training step would have to save for backward.
+    torch.manual_seed(0)
+    model = BoringMLPModel()
+    callback = FusedBackwardCallback(emulate=True, benchmark="off", recipe=recipe)
+    for i, what in enumerate(order.split(",")):
+        trainer = make_trainer(tmp_path, [callback], max_steps=2 * (i + 1), limit_val_batches=2)
+        if what == "validate":
+            trainer.validate(model, dataloaders=model.val_dataloader(), verbose=False)
+        else:
+            trainer.fit(model)
+    assert trainer.global_step == 2 * len(order.split(","))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _FailsSetupOnce(BoringMLPModel):
+    failed = False
+
+    def setup(self, stage):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("data not ready")
+
+
+def test_a_failed_fit_leaves_no_wrapper_and_a_retry_is_fused_by_its_own_callback(tmp_path):
+    torch.manual_seed(0)
+    model = _FailsSetupOnce()
+    first = FusedBackwardCallback(benchmark="off", convert="chains")
+    with pytest.raises(RuntimeError, match="data not ready"):
+        make_trainer(tmp_path, [first], max_steps=1).fit(model)
+    assert "configure_model" not in model.__dict__  # the model is as it was given, and picklable
+    second = FusedBackwardCallback(benchmark="off", emulate=True)
+    make_trainer(tmp_path, [second], max_steps=2).fit(model)
+    assert first.report is None
+    assert second.report is not None and second.state.generation == 2
+    assert second.fuse_config.emulate and "mlp.2" in second._modules  # its own config (convert="mlp")
+
+
+def test_a_callback_reused_for_another_fit_updates_the_scales_at_every_step(tmp_path):
+    torch.manual_seed(0)
+    model = BoringMLPModel()
+    callback = FusedBackwardCallback(emulate=True, benchmark="off")
+    make_trainer(tmp_path, [callback], fast_dev_run=True).fit(model)  # one step, global_step 0
+    smoke = callback.state.generation
+    make_trainer(tmp_path, [callback], max_steps=3).fit(model)  # a new Trainer: global_step 0 again
+    assert callback.state.generation == smoke + 3
+
+
+class _SleepyTraining(BoringMLPModel):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.1)
+        return super().training_step(batch, batch_idx)
+
+
+def test_step_time_of_a_second_fit_does_not_count_the_gap_after_the_first_ones_last_validation(tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    callback = FusedBackwardCallback(recipe=None, benchmark="off", log_every_n_steps=1)
+    model = _SleepyTraining()
+    make_trainer(tmp_path, [callback], max_steps=2, limit_val_batches=1, val_check_interval=2,
+                 check_val_every_n_epoch=None).fit(model)  # ends with a validation
+    time.sleep(0.5)
+    logger = mock_logger(tmp_path)
+    make_trainer(tmp_path, [callback], max_steps=2, logger=logger).fit(model)
+    times = [m["fuse/step_time_ms"] for _, m in logged(logger) if "fuse/step_time_ms" in m]
+    assert len(times) == 2 and all(100 <= t < 400 for t in times), times
+
+
+def test_the_measured_first_step_is_not_logged_as_a_step_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.manual_seed(0)
+    logger = mock_logger(tmp_path)
+    callback = FusedBackwardCallback(recipe=None, benchmark="log", log_every_n_steps=1)
+    make_trainer(tmp_path, [callback], max_steps=3, logger=logger).fit(_SleepyTraining())
+    logged_steps = {step: m["fuse/step_time_ms"] for step, m in logged(logger) if "fuse/step_time_ms" in m}
+    # step 1 ran the measurement; steps 2 and 3 each slept 100 ms
+    assert sorted(logged_steps) == [2, 3] and all(100 <= t < 400 for t in logged_steps.values()), logged_steps
+
+
+def test_a_second_model_is_measured_at_its_own_token_count(tmp_path):
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(emulate=True, benchmark="log")
+    tokens = []
+    real_measure = lightning_fuse.callback.measure
+
+    def spy(key, *args, **kwargs):
+        tokens.append(key.tokens)
+        return real_measure(key, *args, **kwargs)
+
+    with mock.patch.object(lightning_fuse.callback, "measure", spy):
+        make_trainer(tmp_path, [callback], max_steps=1).fit(BoringMLPModel(batch_size=16))
+        first = list(tokens)
+        tokens.clear()
+        make_trainer(tmp_path, [callback], max_steps=1).fit(BoringMLPModel(batch_size=64))
+    assert len(set(first)) == 1 and set(tokens) == {4 * first[0]}, (first, tokens)
+
+
+def test_fp8_linears_are_not_timed_where_the_device_runs_them_in_high_precision(tmp_path):
+    # on CPU without emulate an FP8Linear computes what nn.Linear does: a ratio of the two is only noise
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(benchmark="log")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(tmp_path, [callback], max_steps=1).fit(BoringMLPModel())
+    assert "mlp.2" in callback._modules and "mlp.2" not in callback.speedups and "mlp.0" in callback.speedups

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_fuse import FuseConfig, make_fuse_config
+from lightning_fuse import FuseConfig, FusedBackwardCallback, make_fuse_config
 from lightning_fuse.kernels import ACTIVATIONS
 
 
@@ -81,3 +81,11 @@ def test_bad_types():
         make_fuse_config(["convert", "all"])
     with pytest.raises(ValueError, match="_target_"):
         make_fuse_config({"_target_": "lightning_fuse.FusedBackwardCallback"})
+
+
+@pytest.mark.parametrize("value", [2, "yes", "1"])
+def test_emulate_given_through_a_mapping_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=r"`emulate` must be a bool; got"):
+        make_fuse_config({"emulate": value})
+    with pytest.raises(TypeError, match=r"`emulate` must be a bool; got"):
+        FusedBackwardCallback(emulate=value)

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -361,3 +362,90 @@ def test_bias_goes_into_the_gemm_epilogue_for_bf16_outputs(monkeypatch, autocast
     assert y.dtype == (torch.bfloat16 if autocast_bf16 else torch.float32)
     assert sqnr_db(y.double(), expected) >= 25
     assert seen[0] == ((torch.bfloat16, torch.bfloat16) if autocast_bf16 else (torch.float32, None))
+
+
+def test_the_benchmark_times_a_conv1d_chain_in_its_own_weight_layout():
+    from lightning_fuse.speed import _copy_of, measure, shape_key
+
+    chain = FusedLinearBiasActivation(Conv1D(64, 32), "gelu_tanh", emulate=True)
+    key = shape_key(chain, 8, torch.float32)
+    copy = _copy_of(key, torch.device("cpu"), emulate=True)
+    assert copy.weight_is_in_out and tuple(copy.weight.shape) == (32, 64)
+    assert (copy.in_features, copy.out_features) == (32, 64)
+    original_ms, fused_ms = measure(key, torch.device("cpu"), None, emulate=True, warmup=1, reps=1)
+    assert original_ms > 0 and fused_ms > 0
+
+
+@pytest.mark.parametrize("change", ["fused AdamW step", "write through .data"])
+def test_current_scaling_quantizes_a_weight_changed_without_a_version_bump(change):
+    # torch's fused optimizers and writes through .data leave weight._version as it was
+    torch.manual_seed(0)
+    module, _ = _bound(FP8Linear(nn.Linear(32, 48), emulate=True), "fc")
+    x = torch.randn(16, 32)
+    with fp8_autocast(CurrentScaling()):
+        y = module(x)
+    version = module.weight._version
+    if change == "fused AdamW step":
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.05, fused=True)
+        y.square().mean().backward()
+        optimizer.step()
+    else:
+        module.weight.data.mul_(2.0)
+    assert module.weight._version == version  # what the cache cannot see
+    with fp8_autocast(CurrentScaling()):
+        y = module(x)
+    reference = F.linear(x.double(), module.weight.double(), module.bias.double())
+    assert sqnr_db(y, reference) > 20
+
+
+def test_a_high_precision_step_after_an_fp8_one_recomputes_in_high_precision_under_checkpointing():
+    torch.manual_seed(0)
+    module, _ = _bound(FusedLinearBiasActivation(nn.Linear(32, 48), "gelu", emulate=True), "fc")
+    x = torch.randn(16, 32)
+    with fp8_autocast("current"):
+        module(x).sum().backward()
+    module.weight.grad = None
+    module(x.clone().requires_grad_()).sum().backward()
+    plain = module.weight.grad.clone()
+    for reentrant in (False, True):  # the non-reentrant form checks the recomputed tensors' metadata
+        module.weight.grad = None
+        checkpoint(module, x.clone().requires_grad_(), use_reentrant=reentrant).sum().backward()
+        torch.testing.assert_close(module.weight.grad, plain)
+
+
+def test_an_empty_batch_under_fp8_recomputes_the_same_path_under_checkpointing():
+    module, _ = _bound(FusedLinearBiasActivation(nn.Linear(32, 48), "gelu", emulate=True), "fc")
+    x = torch.randn(0, 32, requires_grad=True)
+    with fp8_autocast("current"):
+        y = checkpoint(module, x, use_reentrant=False)
+    y.sum().backward()
+    assert x.grad.shape == (0, 32) and torch.count_nonzero(module.weight.grad) == 0
+
+
+@pytest.mark.parametrize("recipe", [None, "current"])
+def test_double_backward_is_refused_not_silently_wrong(recipe):
+    module, _ = _bound(FusedLinearBiasActivation(nn.Linear(32, 48), "gelu", emulate=True), "fc")
+    x = torch.randn(16, 32, requires_grad=True)
+    with fp8_autocast(recipe, enabled=recipe is not None):
+        y = module(x)
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=False)  # first order: fine
+    assert gx.shape == x.shape
+    with fp8_autocast(recipe, enabled=recipe is not None):
+        y = module(x)
+    with pytest.raises(RuntimeError, match="do not support double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_float64_runs_pytorchs_own_ops_with_one_warning():
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48).double()
+    reference = nn.Sequential(_clone_linear(linear).double(), nn.GELU())
+    module, _ = _bound(FusedLinearBiasActivation(linear, "gelu"), "fc")
+    x = torch.randn(8, 32, dtype=torch.float64)
+    lightning_fuse.modules._WARNED.clear()
+    with pytest.warns(UserWarning, match="float64 runs PyTorch's unfused linear"):
+        y, dx = _run(module, x, torch.ones(8, 48, dtype=torch.float64))
+    y_ref, dx_ref = _run(reference, x, torch.ones(8, 48, dtype=torch.float64))
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref)
+    assert torch.autograd.gradcheck(module, (torch.randn(3, 32, dtype=torch.float64, requires_grad=True),))

@@ -8,7 +8,14 @@ For every module that has a linear-like child (directly, or inside a ``ModuleLis
 - otherwise its ``forward``, traced with ``torch.fx`` with those children as leaves (the module's
   registration order says nothing about the order its forward calls them in). A Sequential child
   whose items the forward calls one by one (iterating or indexing it) is read from this graph, not
-  from its item order; one called both ways has its chains refused.
+  from its item order; one called both ways has its chains refused. Where the forward cannot be
+  traced, a Sequential child keeps its item order only if the forward's source uses it just by
+  calling it whole.
+
+The trace takes every argument as a tensor; a forward may branch on ``arg is None`` or on an
+argument's default. So each argument after the first is also traced at its default (``None`` where
+it has none), and a chain that call does not keep (the linear called, its output going elsewhere)
+is refused.
 
 A chain is a linear whose output has exactly one user, an activation: an activation module child
 (``nn.GELU``, ``nn.ReLU``, ``nn.SiLU``, transformers' activation classes), a functional call
@@ -16,11 +23,14 @@ A chain is a linear whose output has exactly one user, an activation: an activat
 misses (a Dropout in between, the linear's output used twice, an activation module or a linear
 called at two places, extra arguments, a forward that depends on ``self.training``) are returned
 with the reason they cannot be fused; a forward that cannot be traced is returned as skipped.
-Nothing here changes the model.
+Nothing here changes the model (attributes a trace sets on it are taken off again).
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
@@ -30,6 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from .activation_skip import FUNCTIONAL_ACTIVATIONS
 from .modules import is_linear_like
 
 __all__ = ["Chain", "ChainSearch", "SkippedModule", "activation_of_module", "find_chains"]
@@ -58,7 +69,7 @@ _FUNCTIONAL: dict[Callable[..., Any], tuple[str, tuple[str, ...]]] = {
     torch.relu: ("relu", ()),
     F.silu: ("silu", ("inplace",)),
 }
-_FUNCTIONAL_LABELS = {F.gelu: "F.gelu", F.relu: "F.relu", torch.relu: "torch.relu", F.silu: "F.silu"}
+_FUNCTIONAL_LABELS = {function: label for label, function in FUNCTIONAL_ACTIVATIONS.items() if function in _FUNCTIONAL}
 _DROPOUT_FUNCTIONS = (F.dropout, torch.dropout, F.alpha_dropout)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -71,7 +82,7 @@ class Chain:
     linear: str  # fqn of the linear-like module
     activation: str  # activation name ("gelu", "gelu_tanh", ...); "" when it cannot be told
     act_module: Optional[str]  # fqn of the activation module; None for a functional call
-    act_node: Optional[str]  # name of the functional call's node in the parent's fx graph; None otherwise
+    act_function: Optional[str]  # the functional call's label (activation_skip.FUNCTIONAL_ACTIVATIONS); None otherwise
     consumer: Optional[str]  # fqn of the linear that alone consumes the activation's output, if any
     reason: str = ""  # "" when the chain can be fused, else why it is left alone
 
@@ -90,7 +101,6 @@ class ChainSearch:
 
     chains: list[Chain] = field(default_factory=list)  # fusable chains and near misses
     skipped: list[SkippedModule] = field(default_factory=list)  # modules whose forward could not be traced
-    graphs: dict[str, fx.Graph] = field(default_factory=dict)  # parent fqn -> its traced forward (functional chains)
 
 
 def activation_of_module(module: nn.Module) -> Optional[str]:
@@ -280,7 +290,8 @@ def _chains_in_graph(graph: fx.Graph, leaves: dict[str, nn.Module], parent: str)
             linear=_join(parent, target),
             activation=use.name,
             act_module=_join(parent, use.module) if use.module is not None else None,
-            act_node=act_node.name if use.module is None else None,
+            act_function=None if use.module is not None else (
+                "Tensor.relu" if act_node.op == "call_method" else _FUNCTIONAL_LABELS[act_node.target]),
             consumer=None if reason else _optional_join(parent, _consumer(act_node, leaves, calls)),
             reason=reason,
         ))
@@ -328,13 +339,85 @@ def _chains_in_sequential(seq: nn.Sequential, parent: str) -> list[Chain]:
     return chains
 
 
-def _trace(module: nn.Module, leaves: dict[str, nn.Module], training: bool) -> fx.Graph:
+def _trace(module: nn.Module, leaves: dict[str, nn.Module], training: bool,
+           concrete_args: Optional[dict[str, Any]] = None) -> fx.Graph:
+    """``module``'s forward traced in the given mode, leaving the model as it was: tracing stores tensor
+    constants on the module (``_tensor_constant0``), and a forward that sets attributes leaves proxies."""
+    saved = [(m, dict(m.__dict__)) for m in module.modules()]
     was_training = module.training
     module.training = training
     try:
-        return _ChildLeafTracer({id(child) for child in leaves.values()}).trace(module)
+        return _ChildLeafTracer({id(child) for child in leaves.values()}).trace(module, concrete_args)
     finally:
+        for m, attributes in saved:
+            m.__dict__.clear()
+            m.__dict__.update(attributes)
         module.training = was_training
+
+
+def _variants(module: nn.Module) -> list[tuple[str, dict[str, Any]]]:
+    """Calls other than "every argument a tensor" that the forward may take another path for: each
+    argument after the first at its default, or ``None`` where it has none. ``(label, concrete_args)``."""
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    variants = []
+    for p in parameters[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        value = None if p.default is p.empty else p.default
+        variants.append((f"{p.name}={value!r}", {p.name: value}))
+    return variants
+
+
+def _refused_by_variants(module: nn.Module, leaves: dict[str, nn.Module], parent: str,
+                         chains: list[Chain]) -> list[Chain]:
+    """``chains`` with those refused that another call pattern (``_variants``) does not keep: there the
+    linear is called but its output does not go to that activation alone."""
+    for label, concrete in _variants(module):
+        try:
+            graph = _trace(module, leaves, module.training, concrete)
+        except Exception:  # the forward does not take that value at all: no other path to check
+            continue
+        called = {str(node.target) for node in graph.nodes if node.op == "call_module"}
+        there = {chain.linear: chain for chain in _chains_in_graph(graph, leaves, parent)}
+        checked = []
+        for chain in chains:
+            other = there.get(chain.linear)
+            local = chain.linear[len(parent) + 1:] if parent else chain.linear
+            if chain.reason or local not in called or (
+                    other is not None and not other.reason and other.activation == chain.activation
+                    and other.act_module == chain.act_module and other.act_function == chain.act_function):
+                checked.append(chain)
+                continue
+            why = other.reason if other is not None and other.reason else "its output goes elsewhere"
+            checked.append(_refused(chain, f"called with {label}, its parent's forward takes another path, where "
+                                           f"{why}; a fused activation would be wrong for such calls"))
+        chains = checked
+    return chains
+
+
+def _calls_only_whole(module: nn.Module, attribute: str) -> bool:
+    """Whether the source of ``module``'s forward uses ``self.<attribute>`` only to call it (at least once)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(type(module).forward))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return False
+    function = tree.body[0]
+    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or not function.args.args:
+        return False
+    this = function.args.args[0].arg
+    called: set[int] = set()
+    uses = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call):
+            called.add(id(node.func))
+        if (isinstance(node, ast.Attribute) and node.attr == attribute and isinstance(node.value, ast.Name)
+                and node.value.id == this):
+            uses.append(node)
+    return bool(uses) and all(id(use) in called for use in uses)
 
 
 def _short(err: Exception) -> str:
@@ -378,16 +461,22 @@ def find_chains(model: nn.Module) -> ChainSearch:
             search.chains.extend(chains)
             continue
         if "forward" in module.__dict__:
-            search.skipped.append(SkippedModule(
-                parent or type(module).__name__,
-                "its forward is replaced on the instance, so the class's forward (what torch.fx traces) "
-                "is not what runs"))
-            continue
-        try:
-            graph = _trace(module, leaves, module.training)
-        except Exception as err:  # any user forward may fail to trace; it is reported, never raised
-            search.skipped.append(SkippedModule(parent or type(module).__name__,
-                                                f"its forward cannot be traced by torch.fx ({_short(err)})"))
+            why = ("its forward is replaced on the instance, so the class's forward (what torch.fx traces) "
+                   "is not what runs")
+        else:
+            try:
+                graph = _trace(module, leaves, module.training)
+                why = ""
+            except Exception as err:  # any user forward may fail to trace; it is reported, never raised
+                why = f"its forward cannot be traced by torch.fx ({_short(err)})"
+        if why:
+            search.skipped.append(SkippedModule(parent or type(module).__name__, why))
+            # Its Sequential children: called whole only if its source says so; else their order is unknown.
+            for path, child in leaves.items():
+                if isinstance(child, nn.Sequential) and ("." in path or not _calls_only_whole(module, path)):
+                    itemwise[_join(parent, path)] = (
+                        f"its parent `{parent or type(module).__name__}` was not read ({why.partition(' (')[0]}) "
+                        "and does not only call it whole, so the order its items run in is unknown")
             continue
         called = Counter(str(node.target) for node in graph.nodes if node.op == "call_module")
         for path, child in leaves.items():
@@ -406,6 +495,7 @@ def find_chains(model: nn.Module) -> ChainSearch:
             why = ("its forward traces differently in train and eval mode (it reads self.training), "
                    "so the chain found in one mode may not exist in the other")
             chains = [_refused(chain, why) for chain in chains]
+        if any(not chain.reason for chain in chains):
+            chains = _refused_by_variants(module, leaves, parent, chains)
         search.chains.extend(chains)
-        search.graphs[parent] = graph
     return search

@@ -5,9 +5,10 @@ What a swap does:
 
 - a chain's linear becomes ``FusedLinearBiasActivation`` holding the same ``Parameter`` objects;
 - its activation stops being applied where it was: an activation module child becomes
-  ``nn.Identity()`` (the original is kept on it for ``unfuse_``); a functional call in the
-  parent's ``forward`` is removed from that forward's fx graph, and the regenerated forward is
-  installed on the parent instance (``unfuse_`` deletes it, and the class's forward runs again);
+  ``nn.Identity()`` (the original is kept on it for ``unfuse_``); for a functional call in the
+  parent's ``forward``, the parent instance gets a ``forward`` that runs the class's own forward
+  with that call skipped on the fused linear's output (``activation_skip.py``; ``unfuse_``
+  deletes it);
 - with ``convert="mlp"`` the linear that alone consumes a fused activation's output, and with
   ``convert="all"`` every other eligible linear, becomes ``FP8Linear``.
 
@@ -23,22 +24,17 @@ not change, so checkpoints load both ways with ``strict=True``. The model's FP8 
 from __future__ import annotations
 
 import fnmatch
-import importlib
-import inspect
-import linecache
 import logging
-import pickle
-import types
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Union
 
-import torch.fx as fx
 from omegaconf import DictConfig
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .activation_skip import ActivationsFusedAway
 from .chain_finder import Chain, ChainSearch, SkippedModule, find_chains
 from .config import FuseConfig, make_fuse_config
 from .modules import (FP8Linear, FusedLinearBiasActivation, FP8LinearBase, fp8_shape_reason, is_linear_like,
@@ -52,7 +48,8 @@ log = logging.getLogger(__name__)
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 _RECORD_ATTR = "_lightning_fuse"  # on the fused model: config, report and FP8 state of the fuse_ call
-_ORIGINAL_ATTR = "_lightning_fuse_original"  # on an nn.Identity that replaced an activation: (original,)
+_ORIGINAL_ATTR = "_lightning_fuse_original"  # on an nn.Identity that replaced an activation: (original, fused linear)
+_PARTNER_ATTR = "_lightning_fuse_partner"  # on a fused chain's linear: (its placeholder or the parent whose call it skips,)
 
 
 # -- the report -------------------------------------------------------------------------------------
@@ -154,96 +151,6 @@ class _FuseRecord:
     state: FP8ScalingState
 
 
-# -- the regenerated forward ------------------------------------------------------------------------
-
-
-class _GeneratedForward:
-    """A module's forward regenerated from its fx graph, installed as the instance's ``forward``.
-
-    Holds the generated source (not the compiled function) so that ``copy.deepcopy`` and ``pickle``
-    of the model work; the source is compiled on first call.
-    """
-
-    def __init__(self, owner: nn.Module, source: str, module_globals: dict[str, str],
-                 value_globals: dict[str, Any]) -> None:
-        self.owner = owner
-        self.source = source
-        self.module_globals = module_globals  # global name -> name of the Python module it refers to
-        self.value_globals = value_globals  # other globals of the generated code (picklable by construction)
-        self._fn: Optional[Callable[..., Any]] = None
-
-    def _compiled(self) -> Callable[..., Any]:
-        if self._fn is None:
-            namespace: dict[str, Any] = {name: importlib.import_module(module)
-                                         for name, module in self.module_globals.items()}
-            namespace.update(self.value_globals)
-            filename = f"<lightning_fuse: regenerated {type(self.owner).__qualname__}.forward>"
-            # Registered so that tracebacks through the generated forward show its lines.
-            linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
-            exec(compile(self.source, filename, "exec"), namespace)
-            self._fn = namespace["forward"]
-        return self._fn
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        signature = inspect.signature(self._compiled())
-        return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._compiled()(self.owner, *args, **kwargs)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_fn"] = None
-        return state
-
-    def __repr__(self) -> str:
-        return f"<regenerated forward of {type(self.owner).__name__} (lightning_fuse)>"
-
-
-def _regeneration_problem(owner: nn.Module) -> str:
-    """Why the forward of ``owner`` cannot be replaced by a regenerated one, or ``""``."""
-    parameters = list(inspect.signature(type(owner).forward).parameters.values())[1:]
-    optional = [p.name for p in parameters
-                if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty]
-    if optional:
-        return (f"its forward takes optional arguments ({', '.join(optional)}), so a forward regenerated from "
-                "one trace could differ from the original for other calls; use an activation module instead")
-    if len(parameters) > 1:
-        return (f"its forward takes {len(parameters)} arguments; it was traced with every one a tensor, so a call "
-                "passing None or a number for one could take another path; use an activation module instead")
-    return ""
-
-
-def _generate_forward(owner: nn.Module, graph: fx.Graph, act_nodes: list[str]) -> Union[_GeneratedForward, str]:
-    """The forward of ``graph`` without the activation calls ``act_nodes``, or why it cannot be made."""
-    problem = _regeneration_problem(owner)
-    if problem:
-        return problem
-    copy = fx.Graph()
-    value_map: dict[fx.Node, fx.Node] = {}
-    copy.output(copy.graph_copy(graph, value_map))
-    by_name = {node.name: node for node in graph.nodes}
-    for name in act_nodes:
-        node = value_map[by_name[name]]
-        node.replace_all_uses_with(node.args[0])
-        copy.erase_node(node)
-    copy.lint()
-    code = copy.python_code(root_module="self")
-    module_globals: dict[str, str] = {}
-    value_globals: dict[str, Any] = {}
-    for name, value in code.globals.items():
-        if isinstance(value, types.ModuleType):
-            module_globals[name] = value.__name__
-            continue
-        try:
-            pickle.dumps(value)
-        except Exception:  # whatever pickle rejects, the regenerated forward could not be saved
-            return f"its forward refers to {name} = {value!r}, which cannot be pickled with the model"
-        value_globals[name] = value
-    return _GeneratedForward(owner, code.src, module_globals, value_globals)
-
-
 # -- eligibility ------------------------------------------------------------------------------------
 
 
@@ -333,7 +240,7 @@ def _fused_part(model: nn.Module) -> str:
     """The fqn of the first already-swapped piece of ``model``, or ``""``."""
     for name, module in model.named_modules():
         if isinstance(module, FP8LinearBase) or _ORIGINAL_ATTR in module.__dict__ \
-                or isinstance(module.__dict__.get("forward"), _GeneratedForward):
+                or isinstance(module.__dict__.get("forward"), ActivationsFusedAway):
             return name or type(model).__name__
     return ""
 
@@ -421,7 +328,7 @@ class _Plan:
 
     report: FuseReport  # the decisions, as returned to the user
     chains: list[Chain]  # the chains to fuse
-    forwards: dict[str, _GeneratedForward]  # parent fqn -> its forward without the fused functional activations
+    forwards: dict[str, dict[str, str]]  # parent fqn -> {linear path under it: functional activation label}
 
 
 def _decide_chains(model: nn.Module, chains: list[Chain], config: FuseConfig,
@@ -434,6 +341,11 @@ def _decide_chains(model: nn.Module, chains: list[Chain], config: FuseConfig,
         if not reason and chain.activation not in config.activations:
             reason = (f"activation {chain.activation!r} is not in FuseConfig.activations "
                       f"({', '.join(config.activations)})")
+        if not reason and chain.act_module is not None:
+            paths = eligibility.sharing.module_paths[id(model.get_submodule(chain.act_module))]
+            if len(paths) > 1:  # the one its forward calls may not be the one at this path
+                reason = (f"the activation module is registered at {len(paths)} places ({', '.join(paths)}); "
+                          "replacing it at one would leave the call at the other")
         if not reason:
             reason = eligibility.reason(model.get_submodule(chain.linear), chain.linear)
             if reason:
@@ -442,23 +354,14 @@ def _decide_chains(model: nn.Module, chains: list[Chain], config: FuseConfig,
     return decisions, refused
 
 
-def _regenerate_forwards(model: nn.Module, search: ChainSearch,
-                         decisions: dict[str, str]) -> dict[str, _GeneratedForward]:
-    """Forwards without the fused functional activations; where one cannot be made, its chains are refused."""
-    functional: dict[str, list[Chain]] = defaultdict(list)
-    for chain in search.chains:
-        if chain.act_node is not None and not decisions[chain.linear]:
-            functional[chain.parent].append(chain)
-    forwards: dict[str, _GeneratedForward] = {}
-    for parent, chains in functional.items():
-        owner = model.get_submodule(parent) if parent else model
-        generated = _generate_forward(owner, search.graphs[parent], [chain.act_node for chain in chains])
-        if isinstance(generated, str):
-            for chain in chains:
-                decisions[chain.linear] = f"the activation is a call in `{parent or 'model'}`.forward, but {generated}"
-        else:
-            forwards[parent] = generated
-    return forwards
+def _skipped_calls(chains: list[Chain], decisions: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Parent fqn -> {fused linear's path under it: label of the activation call its forward skips}."""
+    forwards: dict[str, dict[str, str]] = defaultdict(dict)
+    for chain in chains:
+        if chain.act_function is not None and not decisions[chain.linear]:
+            local = chain.linear[len(chain.parent) + 1:] if chain.parent else chain.linear
+            forwards[chain.parent][local] = chain.act_function
+    return dict(forwards)
 
 
 def _select_linears(model: nn.Module, search: ChainSearch, fused: list[Chain], refused: set[str],
@@ -482,7 +385,7 @@ def _plan(model: nn.Module, config: FuseConfig, module_filter_fn: Optional[Modul
     search = find_chains(model)
     eligibility = _Eligibility(model, config, module_filter_fn)
     decisions, refused = _decide_chains(model, search.chains, config, eligibility)
-    forwards = _regenerate_forwards(model, search, decisions)
+    forwards = _skipped_calls(search.chains, decisions)
     fused = [chain for chain in search.chains if not decisions[chain.linear]]
 
     chain_reports = []
@@ -511,12 +414,17 @@ def _swap(model: nn.Module, plan: _Plan, config: FuseConfig) -> set[int]:
         swapped.add(id(fused))
         if chain.act_module is not None:
             placeholder = nn.Identity()
-            # A tuple hides the original from nn.Module registration (it has no parameters anyway).
-            setattr(placeholder, _ORIGINAL_ATTR, (model.get_submodule(chain.act_module),))
+            placeholder.train(fused.training)
+            # Tuples hide these from nn.Module registration: the original (no parameters anyway) for unfuse_,
+            # and the chain's two halves for each other, so a partial unfuse_ cannot split them.
+            setattr(placeholder, _ORIGINAL_ATTR, (model.get_submodule(chain.act_module), fused))
             _set_submodule(model, chain.act_module, placeholder)
-    for parent, generated in plan.forwards.items():
+            setattr(fused, _PARTNER_ATTR, (placeholder,))
+        else:
+            setattr(fused, _PARTNER_ATTR, (model.get_submodule(chain.parent) if chain.parent else model,))
+    for parent, calls in plan.forwards.items():
         owner = model.get_submodule(parent) if parent else model
-        owner.forward = generated
+        owner.forward = ActivationsFusedAway(owner, calls)
     for linear in plan.report.linears:
         if linear.fused:
             converted = FP8Linear(model.get_submodule(linear.name), emulate=config.emulate)
@@ -537,16 +445,42 @@ def unfuse_(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
+    _check_whole_chains(model)
     for owner in list(model.modules()):
         for name, child in list(owner.named_children()):
             if isinstance(child, FP8LinearBase):
-                setattr(owner, name, child.to_original())
+                original = child.to_original()
+                original.train(child.training)  # the original missed every train()/eval() since the swap
+                setattr(owner, name, original)
             elif isinstance(child, nn.Identity) and _ORIGINAL_ATTR in child.__dict__:
-                setattr(owner, name, child.__dict__[_ORIGINAL_ATTR][0])
-        if isinstance(owner.__dict__.get("forward"), _GeneratedForward):
+                original = child.__dict__[_ORIGINAL_ATTR][0]
+                original.train(child.training)
+                setattr(owner, name, original)
+        if isinstance(owner.__dict__.get("forward"), ActivationsFusedAway):
             del owner.__dict__["forward"]
         owner.__dict__.pop(_RECORD_ATTR, None)  # also the record of a fused model held inside this one
     return model
+
+
+def _check_whole_chains(model: nn.Module) -> None:
+    """Raises if ``model`` holds one half of a fused chain (the linear, or where its activation was)
+    but not the other: putting one half back would drop the activation or apply it twice."""
+    inside = {id(m) for m in model.modules()}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedLinearBiasActivation) and _PARTNER_ATTR in module.__dict__:
+            partner = module.__dict__[_PARTNER_ATTR][0]
+            if id(partner) not in inside:
+                where = ("the nn.Identity that replaced its activation module" if isinstance(partner, nn.Identity)
+                         else f"the {type(partner).__name__} whose forward calls its activation")
+                raise ValueError(f"unfuse_: `{name or type(model).__name__}` is a fused chain whose other half "
+                                 f"({where}) is outside the module given; call unfuse_ on a module that holds both, "
+                                 "or on the whole model")
+        elif isinstance(module, nn.Identity) and _ORIGINAL_ATTR in module.__dict__:
+            fused = module.__dict__[_ORIGINAL_ATTR][1]
+            if id(fused) not in inside:
+                raise ValueError(f"unfuse_: `{name or type(model).__name__}` stands for an activation fused into a "
+                                 "linear outside the module given; call unfuse_ on a module that holds both, or on "
+                                 "the whole model")
 
 
 def fp8_state_of(model: nn.Module) -> Optional[FP8ScalingState]:

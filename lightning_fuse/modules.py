@@ -43,6 +43,7 @@ from lightning_fuse.kernels import (
     use_triton,
 )
 
+from .activation_skip import note_output
 from .autocast import FP8Context, active_context
 from .recipe import DelayedScaling, Recipe
 from .scaling import FP8ScalingState
@@ -482,6 +483,11 @@ class FP8LinearBase(nn.Module):
         return value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._forward(x)
+        note_output(self, out)  # a parent forward running now may skip its call of this chain's activation
+        return out
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0:
             raise RuntimeError("both arguments to linear need to be at least 1D, but they are 0D and 2D")
         if x.shape[-1] != self.in_features:

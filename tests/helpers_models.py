@@ -342,3 +342,146 @@ def assert_same_outputs_and_grads(fused: nn.Module, reference: nn.Module, x: tor
     for name, param in params1.items():
         assert param.grad is not None, name
         torch.testing.assert_close(param.grad, params2[name].grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+# -- forwards a single trace does not show whole -----------------------------------------------------
+
+
+class OptionalBranchMLP(nn.Module):
+    """Without its optional argument the forward also reads the pre-activation (a traced Proxy is never None)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.fc(x)
+        y = self.act(h)
+        if skip is None:
+            return y + h
+        return y + skip
+
+
+class LoopedUntraceable(nn.Module):
+    """Iterates its Sequential with a residual around every item, in a forward torch.fx cannot trace."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) + x
+        if x.abs().max() > 1e6:  # data-dependent
+            x = x / x.abs().max()
+        return x
+
+
+class CallsSequentialWhole(nn.Module):
+    """Calls its Sequential whole, in a forward torch.fx cannot trace."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(x)
+        if y.abs().max() > 1e6:  # data-dependent
+            y = y / y.abs().max()
+        return y
+
+
+class FrozenFeatureMLP(nn.Module):
+    """A functional chain run under ``torch.no_grad()`` (a frozen feature extractor)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            features = F.relu(self.fc(x))
+        return self.head(features)
+
+
+class MLPWithAuxLoss(nn.Module):
+    """Stores a value computed from the activation on ``self`` (as MoE routers store their auxiliary loss)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc(x), approximate="tanh")
+        self.aux_loss = h.pow(2).mean()
+        return self.proj(h)
+
+
+class ScaledResidualMLP(nn.Module):
+    """Reads a Python attribute that a schedule changes during training."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+        self.alpha = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.alpha * self.proj(F.silu(self.fc(x)))
+
+
+class StochasticDepthMLP(nn.Module):
+    """Skips the block at random in training (a draw in Python, which a trace would fix once)."""
+
+    def __init__(self, d: int = 16, p: float = 0.5) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.rand(()).item() < self.p:
+            return x
+        return x + self.proj(F.gelu(self.fc(x)))
+
+
+class AliasedActivation(nn.Module):
+    """One GELU registered at two paths, called through the second."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.act = nn.GELU()
+        self.fc = nn.Linear(d, 4 * d)
+        self.block = nn.ModuleList([self.act])
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.block[0](self.fc(x)))
+
+
+class ConstantScaleMLP(nn.Module):
+    """Builds a tensor constant in its forward (which tracing stores on the module)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x))) * torch.tensor(0.5)
+
+
+class ModuleListWithActivation(nn.Module):
+    """A chain whose linear is in a ModuleList and whose activation module is not."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, 2 * d), nn.Linear(2 * d, d)])
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.act(self.layers[0](x)))

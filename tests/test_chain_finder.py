@@ -38,7 +38,7 @@ def test_module_activation_chain(make):
     chains = _by_linear(make())
     assert list(chains) == ["c_fc"]
     chain = chains["c_fc"]
-    assert (chain.activation, chain.act_module, chain.act_node, chain.consumer, chain.reason) == \
+    assert (chain.activation, chain.act_module, chain.act_function, chain.consumer, chain.reason) == \
         ("gelu", "gelu", None, "c_proj", "")
 
 
@@ -55,7 +55,7 @@ def test_functional_gelu(approximate, expected):
     # litgpt reads `approximate` from its config: a constant by the time the forward is traced.
     chain = _by_linear(LitGPTMLP(approximate=approximate))["fc"]
     assert (chain.activation, chain.act_module, chain.consumer, chain.reason) == (expected, None, "proj", "")
-    assert chain.act_node is not None
+    assert chain.act_function == "F.gelu"
 
 
 def test_every_functional_form():

@@ -9,26 +9,37 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fp8_checks import sqnr_db
 from helpers_models import (
+    AliasedActivation,
     Block,
+    CallsSequentialWhole,
+    ConstantScaleMLP,
     DropoutBetween,
     FunctionalZoo,
     GatedMLP,
     LinearCalledTwice,
     LitGPTMLP,
+    LoopedUntraceable,
+    MLPWithAuxLoss,
     ModuleListMLP,
+    ModuleListWithActivation,
     NanoGPTMLP,
+    FrozenFeatureMLP,
     OptionalArgMLP,
+    OptionalBranchMLP,
     OutputReused,
+    ScaledResidualMLP,
     SequentialIndexed,
     SequentialItemwise,
     SequentialLooped,
     SequentialTwoWays,
     SharedActivation,
     ShuffledMLP,
+    StochasticDepthMLP,
     TiedHeadLM,
     TrainingDependent,
     Untraceable,
@@ -47,6 +58,7 @@ from lightning_fuse import (
     fuse_,
     unfuse_,
 )
+from lightning_fuse.chain_finder import find_chains
 
 
 def _x(d: int = 16, batch: int = 2, tokens: int = 3) -> torch.Tensor:
@@ -86,13 +98,14 @@ def test_nanogpt_mlp_swaps():
         assert type(model.dropout) is nn.Dropout  # not a linear
 
 
-def test_functional_activation_is_removed_from_forward():
-    model = LitGPTMLP()
+def test_functional_activation_is_skipped_in_the_forward_that_calls_it():
+    model, reference = fused_and_reference(LitGPTMLP)
     fuse_(model)
-    # The class forward still calls F.gelu; the instance's regenerated forward does not.
-    assert "forward" in model.__dict__ and "gelu" not in model.forward.source
+    # The class forward runs as written; the call of F.gelu on fc's output returns it as it is.
+    assert "forward" in model.__dict__ and model.forward.chains == {"fc": "F.gelu"}
     assert list(inspect.signature(model.forward).parameters) == ["x"]
     assert model(x=_x()).shape == (2, 3, 16)  # keyword calls still work
+    assert_same_outputs_and_grads(model, reference, _x())
 
 
 def _gpt2(activation: str):
@@ -175,9 +188,8 @@ def test_bert_intermediate(hidden_act):
     (LinearCalledTwice, ["fc"], "called 2 times"),
     # forward reads self.training: the graph traced in one mode is not the other's
     (TrainingDependent, ["fc"], "train and eval"),
-    # a functional activation in a forward with optional arguments: its regenerated forward
-    # would be specialized to one call pattern
-    (OptionalArgMLP, ["fc"], "optional arguments"),
+    # called without its optional argument, the forward also reads the linear's output before the activation
+    (OptionalBranchMLP, ["fc"], "called with skip=None, its parent's forward takes another path"),
     # a Sequential its parent indexes: registration order is not execution order, the parent's graph
     # decides (here the first linear's output is used twice)
     (SequentialIndexed, ["net.0"], "its output has 2 users"),
@@ -476,12 +488,19 @@ def test_a_sequential_its_parent_calls_item_by_item_in_order_is_fused():
     assert_same_outputs_and_grads(model, reference, _x())
 
 
-def test_a_functional_chain_in_a_forward_of_several_arguments_is_not_regenerated():
-    # One trace takes every argument as a tensor: a regenerated forward would drop the `is None` branch.
-    model, reference = fused_and_reference(GatedMLP)
+@pytest.mark.parametrize("make", [GatedMLP, OptionalArgMLP])
+def test_a_functional_chain_in_a_forward_of_several_arguments_is_fused_for_every_call_pattern(make):
+    # The chain is the same with the second argument a tensor, None or its default: fused, and the
+    # forward's own code (its `is None` branches included) runs on every call.
+    model, reference = fused_and_reference(make)
     report = fuse_(model)
     chain = next(c for c in report.chains if c.name == "fc")
-    assert not chain.fused and "its forward takes 2 arguments" in chain.reason
+    assert chain.fused, chain.reason
+    if make is OptionalArgMLP:
+        x = _x()
+        torch.testing.assert_close(model(x), reference(x))
+        torch.testing.assert_close(model(x, 0.5), reference(x, 0.5))
+        return
     x = _x()
     torch.testing.assert_close(model(x, None), reference(x, None))
     gate = torch.rand(64)
@@ -528,3 +547,135 @@ def test_multihead_attentions_out_proj_is_not_reported_as_converted():
     assert type(model.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
     assert isinstance(model.mlp[0], FusedLinearBiasActivation)
     assert_same_outputs_and_grads(model, reference, _x())
+
+
+# -- what one trace does not show ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrap_instance_forward", [False, True], ids=["untraceable", "instance forward"])
+def test_a_sequential_iterated_by_a_parent_that_cannot_be_read_is_left_alone(wrap_instance_forward):
+    model, reference = fused_and_reference(LoopedUntraceable)
+    if wrap_instance_forward:  # a traceable parent whose forward a hook wrapped on the instance
+        original = model.forward
+        model.forward = lambda *args, **kwargs: original(*args, **kwargs)
+    with pytest.warns(UserWarning, match="no fusable"):
+        report = fuse_(model)
+    (chain,) = report.chains
+    assert not chain.fused and "order its items run in is unknown" in chain.reason
+    assert_same_outputs_and_grads(model, reference, _x())
+
+
+def test_a_sequential_called_whole_by_a_parent_that_cannot_be_traced_is_fused():
+    model, reference = fused_and_reference(CallsSequentialWhole)
+    report = fuse_(model)
+    assert [(c.name, c.fused) for c in report.chains] == [("mlp.0", True)]
+    assert report.skipped and report.skipped[0].name == "CallsSequentialWhole"
+    assert_same_outputs_and_grads(model, reference, _x())
+
+
+def test_a_functional_chain_under_no_grad_gets_no_gradient():
+    model, reference = fused_and_reference(FrozenFeatureMLP)
+    assert fuse_(model).num_fused == 1
+    x = _x()
+    torch.testing.assert_close(model(x), reference(x))
+    model(x).sum().backward()
+    assert model.fc.weight.grad is None and model.head.weight.grad is not None
+
+
+def test_a_functional_chain_under_autocast_disabled_runs_in_float32():
+    class AutocastOff(FrozenFeatureMLP):
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                h = F.relu(self.fc(x.float()))
+            return self.head(h)
+
+    model, reference = fused_and_reference(AutocastOff)
+    assert fuse_(model).num_fused == 1
+    dtypes = {}
+    for module, tag in ((model.fc, "fused"), (reference.fc, "reference")):
+        module.register_forward_hook(lambda m, args, out, tag=tag: dtypes.__setitem__(tag, out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(_x()), reference(_x())
+    assert dtypes == {"fused": torch.float32, "reference": torch.float32}
+
+
+def test_a_forward_that_stores_on_self_and_reads_attributes_runs_as_written():
+    model, reference = fused_and_reference(MLPWithAuxLoss)
+    assert fuse_(model).num_fused == 1
+    assert "aux_loss" not in model.__dict__  # finding the chains left nothing behind
+    x = _x()
+    model(x), reference(x)
+    torch.testing.assert_close(model.aux_loss, reference.aux_loss)
+
+    model, reference = fused_and_reference(ScaledResidualMLP)
+    assert fuse_(model).num_fused == 1
+    model.alpha = reference.alpha = 1.0  # a schedule moves on after fuse_
+    assert_same_outputs_and_grads(model, reference, _x())
+
+
+def test_a_random_branch_in_the_forward_is_drawn_at_every_call():
+    torch.manual_seed(0)
+    model = StochasticDepthMLP()
+    fuse_(model)
+    model.train()
+    x = _x()
+    skipped = sum(torch.equal(model(x), x) for _ in range(200))
+    assert 60 < skipped < 140  # p = 0.5
+
+
+def test_a_fused_linear_whose_output_skips_its_activation_at_run_time_raises():
+    class SometimesRaw(LitGPTMLP):
+        raw = False
+
+        def forward(self, x):
+            h = self.fc(x)
+            if self.raw:  # a Python flag: the trace saw one branch only
+                return self.proj(h)
+            return self.proj(F.gelu(h, approximate=self.approximate))
+
+    model = SometimesRaw()
+    assert fuse_(model).num_fused == 1
+    model(_x())
+    model.raw = True
+    with pytest.raises(RuntimeError, match="the output of `fc` did not go to the activation"):
+        model(_x())
+
+
+def test_an_activation_module_registered_twice_is_left_alone():
+    model, reference = fused_and_reference(AliasedActivation)
+    with pytest.warns(UserWarning, match="no fusable"):
+        report = fuse_(model)
+    (chain,) = report.chains
+    assert not chain.fused and "registered at 2 places" in chain.reason
+    assert_same_outputs_and_grads(model, reference, _x())
+
+
+def test_finding_chains_leaves_no_attribute_and_tensor_constants_do_not_refuse_a_chain():
+    model = ConstantScaleMLP()
+    before = dict(model.__dict__)
+    search = find_chains(model)
+    assert set(model.__dict__) == set(before)
+    (chain,) = search.chains
+    assert chain.reason == ""
+
+
+@pytest.mark.parametrize("make", [ModuleListMLP, ModuleListWithActivation])
+def test_a_partial_unfuse_that_would_split_a_chain_is_refused(make):
+    model, reference = fused_and_reference(make)
+    assert fuse_(model).num_fused == 1
+    with pytest.raises(ValueError, match="other half|stands for an activation"):
+        unfuse_(model.layers)
+    if make is ModuleListWithActivation:
+        with pytest.raises(ValueError, match="stands for an activation fused into a linear outside"):
+            unfuse_(model.act)
+    assert_same_outputs_and_grads(model, reference, _x())  # nothing changed
+    unfuse_(model)
+    assert type(model.layers[0]) is nn.Linear and "forward" not in model.__dict__
+
+
+def test_unfuse_puts_modules_back_in_the_current_train_or_eval_mode():
+    model = sequential_mlp().train()
+    fuse_(model)
+    model.eval()
+    unfuse_(model)
+    assert not any(m.training for m in model.modules())

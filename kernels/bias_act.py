@@ -209,10 +209,11 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
         if pre_act_out.shape != h.shape or pre_act_out.stride(-1) != 1:
             raise ValueError(f"`pre_act_out` must have `h`'s shape {tuple(h.shape)} with contiguous rows; got shape "
                              f"{tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
-        pre_rows = pre_act_out if pre_act_out.dim() == 2 else as_rows(pre_act_out)
-        if pre_rows.numel() and pre_rows.data_ptr() != pre_act_out.data_ptr():  # a copy: the caller's stays unwritten
+        try:  # a view, never a copy: it is written in place (and no data_ptr test, which torch.compile cannot trace)
+            pre_rows = pre_act_out if pre_act_out.dim() == 2 else pre_act_out.view(h.shape[:-1].numel(), n)
+        except RuntimeError:
             raise ValueError(f"`pre_act_out` must be viewable as ({h.shape[:-1].numel()}, {n}) rows (it is written "
-                             f"in place); got shape {tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
+                             f"in place); got shape {tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}") from None
         if bias is None and pre_act_out is h:
             pre_act_out = None  # h already is the pre-activation: writing it back would copy it onto itself
     leading = h.shape[:-1]

@@ -68,8 +68,9 @@ def fp8_autocast(recipe: object = None, enabled: bool = True, *, update_scales: 
         yield ctx
     finally:
         _STACK.pop()
-        for state in ctx.states.values():
-            state.steps += 1  # the weights may change before the next context: FP8 weight copies are made again
+        if ctx.update_scales:  # a step ends here: its weights may change before the next, so their FP8 copies are made again
+            for state in ctx.states.values():
+                state.steps += 1
         if ctx.enabled and ctx.update_scales and isinstance(ctx.recipe, DelayedScaling):
             for state in ctx.states.values():
                 state.update(ctx.recipe)

@@ -311,8 +311,12 @@ class FusedBackwardCallback(Callback):
             return
         self._last_update_step = trainer.global_step
         self._stepped = True
-        if self.state is not None and isinstance(self.recipe, DelayedScaling) and self.state.groups:
-            self.state.update(self.recipe)
+        if self.state is not None:
+            # The step changes the weights, maybe without their version counter: their FP8 copies are made again.
+            if isinstance(self.recipe, DelayedScaling) and self.state.groups:
+                self.state.update(self.recipe)  # (counts the step too)
+            else:
+                self.state.steps += 1
 
     def _log_health(self, trainer: Trainer) -> None:
         now = time.perf_counter()

@@ -139,8 +139,12 @@ def make_fuse_config(config: Union[FuseConfig, Mapping[str, Any], DictConfig, No
         _check_names("activations", raw["activations"], ACTIVATIONS)
     if "exclude" in raw:
         _check_names("exclude", raw["exclude"], None)
-    if "emulate" in raw and not isinstance(raw["emulate"], bool):  # OmegaConf would read "yes" or 2 as True
-        raise TypeError(f"`emulate` must be a bool; got {raw['emulate']!r} ({type(raw['emulate']).__name__})")
+    if "emulate" in raw:  # OmegaConf would read "yes", "on", "1" or 2 as True
+        emulate = raw["emulate"]
+        if isinstance(emulate, str) and emulate.lower() not in ("true", "false"):
+            raise ValueError(f"`emulate` must be a bool (or 'true'/'false' from a config file); got {emulate!r}")
+        if not isinstance(emulate, (bool, str)):
+            raise TypeError(f"`emulate` must be a bool; got {emulate!r} ({type(emulate).__name__})")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(FuseConfig), raw)
     except OmegaConfBaseException as err:

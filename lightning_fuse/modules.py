@@ -415,12 +415,13 @@ class FP8LinearBase(nn.Module):
     def _fp8_recipe(self, x: torch.Tensor) -> Optional[Recipe]:
         """The recipe when this call runs FP8, else ``None`` (warning once where FP8 was asked for)."""
         ctx = active_context()
-        if ctx is None and torch._C._current_graph_task_id() != -1:
+        compiling = torch.compiler.is_compiling()  # (the graph task id below is not traceable)
+        if ctx is None and not compiling and torch._C._current_graph_task_id() != -1:
             # Activation checkpointing recomputes the forward during backward, outside the context:
             # it must take the path the original forward took.
             return self._recompute
         recipe = self._fp8_recipe_in(ctx, x) if ctx is not None else None
-        if self._recompute is not recipe:  # what a recomputation of this forward must do
+        if not compiling and self._recompute is not recipe:  # what a recomputation of this forward must do
             self._recompute = recipe
         return recipe
 

@@ -84,9 +84,9 @@ class FP8ScalingState:
         self.groups: dict[str, _Group] = {}
         # Bumped at every update of the forward scales: cached FP8 weights are keyed on it.
         self.generation = 0
-        # Bumped at every exit of an fp8_autocast context this model ran FP8 in: cached FP8 weights are
-        # keyed on it too, since a weight can change without its version counter moving (fused
-        # optimizers, writes through .data).
+        # Bumped once per optimizer step (the exit of an fp8_autocast that updates scales, ``update``, or
+        # the callback before each optimizer step): cached FP8 weights are keyed on it too, since a
+        # weight can change without its version counter moving (fused optimizers, writes through .data).
         self.steps = 0
         self._pending: Optional[dict[str, Any]] = None  # loaded state waiting for a device
         self.current_nonfinite: Optional[torch.Tensor] = None  # non-finite amaxes seen under CurrentScaling
@@ -157,6 +157,7 @@ class FP8ScalingState:
             self._update_group(self.groups[g], recipe, fp8_max)
         if "forward" in groups:
             self.generation += 1
+        self.steps += 1
 
     @staticmethod
     def _update_group(group: _Group, recipe: DelayedScaling, fp8_max: float) -> None:

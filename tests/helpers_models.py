@@ -363,16 +363,11 @@ class OptionalBranchMLP(nn.Module):
         return y + skip
 
 
-class LoopedUntraceable(nn.Module):
-    """Iterates its Sequential with a residual around every item, in a forward torch.fx cannot trace."""
-
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+class LoopedUntraceable(SequentialLooped):
+    """``SequentialLooped`` (a residual around every item of its Sequential) in a forward torch.fx cannot trace."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x) + x
+        x = super().forward(x)
         if x.abs().max() > 1e6:  # data-dependent
             x = x / x.abs().max()
         return x

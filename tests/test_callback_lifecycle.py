@@ -6,6 +6,7 @@ gradients counted under current scaling."""
 from __future__ import annotations
 
 import time
+import types
 import warnings
 from unittest import mock
 
@@ -327,3 +328,22 @@ def test_fp8_linears_are_not_timed_where_the_device_runs_them_in_high_precision(
         warnings.simplefilter("ignore")
         make_trainer(tmp_path, [callback], max_steps=1).fit(BoringMLPModel())
     assert "mlp.2" in callback._modules and "mlp.2" not in callback.speedups and "mlp.0" in callback.speedups
+
+
+class _FusedAdamW(BoringMLPModel):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05, fused=True)  # leaves weight._version as it was
+
+
+def test_fp8_weight_copies_are_made_again_after_each_optimizer_step_under_current_scaling(tmp_path):
+    torch.manual_seed(0)
+    model = _FusedAdamW()
+    callback = FusedBackwardCallback(emulate=True, benchmark="off", recipe="current")
+    make_trainer(tmp_path, [callback], max_steps=3, accumulate_grad_batches=2).fit(model)
+    assert callback.state.steps == 3  # once per optimizer step, not per micro-batch
+    fc = model.mlp[0]
+    with fp8_autocast("current", update_scales=False):
+        cached = fc._fp8_weight(types.SimpleNamespace(recipe=callback.recipe, state=callback.state))
+    fresh_q = lightning_fuse.modules.quantize_current_scaling(fc.weight.detach(), fp8_dtype=torch.float8_e4m3fn,
+                                                              transpose=False, margin=0)[0]
+    assert torch.equal(cached[0].view(torch.uint8), fresh_q.view(torch.uint8))

@@ -83,9 +83,11 @@ def test_bad_types():
         make_fuse_config({"_target_": "lightning_fuse.FusedBackwardCallback"})
 
 
-@pytest.mark.parametrize("value", [2, "yes", "1"])
-def test_emulate_given_through_a_mapping_must_be_a_bool(value):
-    with pytest.raises(TypeError, match=r"`emulate` must be a bool; got"):
+@pytest.mark.parametrize("value, error", [(2, TypeError), (1.0, TypeError), ("yes", ValueError), ("1", ValueError),
+                                          ("on", ValueError)])
+def test_emulate_given_through_a_mapping_must_be_a_bool(value, error):
+    # (the strings 'true' and 'false' a config file or an interpolation gives are read as the bools)
+    with pytest.raises(error, match=r"`emulate` must be a bool.*; got"):
         make_fuse_config({"emulate": value})
-    with pytest.raises(TypeError, match=r"`emulate` must be a bool; got"):
+    with pytest.raises(error, match=r"`emulate` must be a bool.*; got"):
         FusedBackwardCallback(emulate=value)

@@ -679,3 +679,16 @@ def test_unfuse_puts_modules_back_in_the_current_train_or_eval_mode():
     model.eval()
     unfuse_(model)
     assert not any(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("make", [LitGPTMLP, FrozenFeatureMLP, sequential_mlp])
+def test_a_fused_model_compiles_without_a_graph_break(make, monkeypatch):
+    # dynamo traces through the skipped activation call (its TorchFunctionMode) and the modules' own paths
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references: a triton_op cannot compile on CPU
+    model, reference = fused_and_reference(make)
+    fuse_(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = _x().requires_grad_()
+    y = compiled(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, reference(x))

@@ -16,15 +16,16 @@ model's, and the call raises instead.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FUNCTIONAL_ACTIVATIONS", "ActivationsFusedAway", "note_output"]
+__all__ = ["FUNCTIONAL_ACTIVATIONS", "ActivationsFusedAway", "note_output", "parent_running", "suspended"]
 
 # The functional activations the chain finder accepts, by the label it records for a chain; the value
 # is the function a TorchFunctionMode sees for that call (F.relu and F.silu dispatch as themselves).
@@ -61,10 +62,26 @@ class _SkipFusedActivations(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def parent_running() -> bool:
+    """Whether a parent forward with a skipped activation call is running (cheap: checked per call)."""
+    return bool(_MODES)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Inside a fused module's own forward, the running parent's mode steps aside: none of that
+    module's operations can be the activation call, and each one would pass through Python."""
+    if (_MODES and not torch.compiler.is_compiling()
+            and torch.overrides._get_current_function_mode() is _MODES[-1]):
+        with torch.overrides._pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
 def note_output(module: nn.Module, out: torch.Tensor) -> None:
     """Called by a fused linear with its output: the running parent forward skips its activation call."""
-    if _MODES:
-        _MODES[-1].note(module, out)
+    _MODES[-1].note(module, out)
 
 
 class ActivationsFusedAway:

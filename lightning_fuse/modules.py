@@ -43,7 +43,7 @@ from lightning_fuse.kernels import (
     use_triton,
 )
 
-from .activation_skip import note_output
+from .activation_skip import note_output, parent_running, suspended
 from .autocast import FP8Context, active_context
 from .recipe import DelayedScaling, Recipe
 from .scaling import FP8ScalingState
@@ -484,8 +484,11 @@ class FP8LinearBase(nn.Module):
         return value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._forward(x)
-        note_output(self, out)  # a parent forward running now may skip its call of this chain's activation
+        if not parent_running():
+            return self._forward(x)
+        with suspended():
+            out = self._forward(x)
+        note_output(self, out)  # the parent forward running now may skip its call of this chain's activation
         return out
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -152,13 +152,14 @@ _bias_act_op = triton_op("lightning_fuse::bias_act", _bias_act_impl, mutates_arg
 def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str], *,
                        scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
                        amax: Optional[torch.Tensor] = None, transpose: bool = False,
-                       compute_dtype: torch.dtype = torch.float32):
-    """Pure-torch ``bias_act`` on 2-D ``h``; returns ``(y, y_fp8, y_fp8_t)``."""
+                       compute_dtype: torch.dtype = torch.float32, out_dtype: Optional[torch.dtype] = None):
+    """Pure-torch ``bias_act`` on 2-D ``h``; returns ``(y, y_fp8, y_fp8_t)``, ``y`` in ``out_dtype``
+    (default ``h``'s) and never ``h`` itself."""
     x = h.to(compute_dtype)
     if bias is not None:
         x = x + bias.to(compute_dtype)
     y = x if activation is None else activation_reference(x, activation)
-    y = y.to(h.dtype)
+    y = y.to(out_dtype or h.dtype, copy=True)
     if amax is not None:
         yf = y.to(torch.float32)
         absolute = torch.where(torch.isnan(yf), torch.full_like(yf, float("inf")), yf.abs())
@@ -206,6 +207,8 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
     check_amax(amax, h.device)
     if pre_act_out is not None:
         check_float_tensor(pre_act_out, "pre_act_out")
+        if pre_act_out.device != h.device:
+            raise ValueError(f"`pre_act_out` is on {pre_act_out.device} but `h` is on {h.device}")
         if pre_act_out.shape != h.shape or pre_act_out.stride(-1) != 1:
             raise ValueError(f"`pre_act_out` must have `h`'s shape {tuple(h.shape)} with contiguous rows; got shape "
                              f"{tuple(pre_act_out.shape)}, strides {pre_act_out.stride()}")
@@ -224,7 +227,7 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
             pre_act_out.copy_(pre.view_as(pre_act_out))
             h2, bias = as_rows(pre_act_out), None
         y, q, q_t = bias_act_reference(h2, bias, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
-                                       transpose=transpose)
+                                       transpose=transpose, out_dtype=h.dtype)
         return y.view(*leading, n), (q.view(*leading, n) if q is not None else None), q_t
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()

@@ -233,6 +233,7 @@ def _sum_partials(partial_ptr, out_ptr, offs_n, mask_n, groups, N, OUT_BF16: tl.
         # Nearest-even by hand: the Triton interpreter's fp32 -> bf16 conversion truncates.
         bits = acc.to(tl.int32, bitcast=True)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+        rounded = tl.where(acc != acc, 0x7FC0, rounded)  # a NaN stays NaN (its carry would overflow into the sign)
         tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + offs_n, rounded, mask=mask_n)
     else:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -350,7 +351,7 @@ def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Te
         current = absolute.max() if dx.numel() else torch.zeros((), dtype=compute_dtype, device=dx.device)
         amax.copy_(torch.maximum(amax.view(()), current.to(torch.float32)).view_as(amax))
     if fp8_dtype is None:
-        out = dx.to(grad.dtype)
+        out = dx.to(grad.dtype, copy=True)  # a new tensor, as the kernel writes, never the caller's grad
         return out, None, dbias
     fmt = fp8_format(fp8_dtype)
     out = (dx * scale.to(compute_dtype)).clamp(-fmt.max, fmt.max).to(torch.float32).to(fp8_dtype)

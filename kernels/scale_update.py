@@ -80,6 +80,7 @@ def update_scales(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.T
     be a GEMM's scale), never the old ones written in place, because a backward pass may still
     hold the scale its forward quantized with.
     """
+    _check(history, scale, nonfinite)
     length, slots = history.shape
     if not use_triton(history) or length > MAX_KERNEL_HISTORY or not history.is_contiguous():
         return update_scales_reference(history, scale, nonfinite, fp8_max=fp8_max, margin=margin, use_max=use_max)
@@ -96,6 +97,7 @@ def update_scales(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.T
 def update_scales_reference(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.Tensor, *,
                             fp8_max: float, margin: int, use_max: bool):
     """``update_scales`` in PyTorch operations (CPU without Triton, very long histories, tests)."""
+    _check(history, scale, nonfinite)
     newest = history[0]
     finite = torch.isfinite(newest)
     nonfinite += (~finite).to(torch.int64)
@@ -105,6 +107,28 @@ def update_scales_reference(history: torch.Tensor, scale: torch.Tensor, nonfinit
     new = torch.where(usable, fp8_max / amax.clamp_min(torch.finfo(torch.float32).tiny) / (2.0 ** margin), scale)
     new = new.clamp(max=torch.finfo(torch.float32).max)
     new_scale, new_scale_inv = aligned_scales(new), aligned_scales(new.reciprocal())
-    history = torch.roll(history, 1, dims=0)
+    history.copy_(torch.roll(history, 1, dims=0))  # in place, as the kernel rolls it
     history[0].zero_()
     return history, new_scale, new_scale_inv
+
+
+def _check(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.Tensor) -> None:
+    if not isinstance(history, torch.Tensor) or history.dim() != 2 or history.dtype != torch.float32 \
+            or history.shape[0] < 1:
+        raise ValueError(f"`history` must be a float32 (length >= 1, slots) tensor; got "
+                         f"{_describe(history)}")
+    slots = history.shape[1]
+    if not isinstance(scale, torch.Tensor) or scale.shape != (slots,) or scale.dtype != torch.float32:
+        raise ValueError(f"`scale` must be a float32 ({slots},) tensor, one per history column; got {_describe(scale)}")
+    if not isinstance(nonfinite, torch.Tensor) or nonfinite.shape != (slots,) or nonfinite.dtype != torch.int64 \
+            or not nonfinite.is_contiguous():
+        raise ValueError(f"`nonfinite` must be a contiguous int64 ({slots},) tensor; got {_describe(nonfinite)}")
+    for name, t in (("scale", scale), ("nonfinite", nonfinite)):
+        if t.device != history.device:
+            raise ValueError(f"`{name}` is on {t.device} but `history` is on {history.device}")
+
+
+def _describe(t: object) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} tensor of shape {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'} on {t.device}"

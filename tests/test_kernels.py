@@ -676,3 +676,32 @@ def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slo
         assert two_deep == (fill < rule.keep_fill and other_fill > fill)
     finally:
         _launch._CONFIGS.clear()
+
+
+@pytest.mark.parametrize("nan_bits", [0x7FFFFFFF, -1, 0x7FC00000], ids=["cuda-canonical", "all-ones", "quiet"])
+def test_a_nan_bias_gradient_stays_nan_in_bfloat16(nan_bits):
+    g = torch.ones(4, 8, device=DEVICE)
+    g.view(torch.int32)[1, 2] = nan_bits
+    for dbias in (dbias_quantize(g, dbias_dtype=torch.bfloat16)[2],
+                  dact_dbias_quantize(g, torch.ones(4, 8, device=DEVICE), "relu", dbias_dtype=torch.bfloat16)[2]):
+        assert dbias[2].isnan() and torch.equal(dbias[torch.arange(8, device=DEVICE) != 2].float(), torch.full((7,), 4.0, device=DEVICE))
+
+
+def test_outputs_are_new_tensors_never_the_callers_inputs(monkeypatch):
+    for interpret in ("1", "0"):  # the kernels and, on CPU, the torch references
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        g = torch.randn(5, 16, device=DEVICE)
+        dx, _, _ = dbias_quantize(g)
+        y, _, _ = bias_act(g, None, None)
+        assert dx.data_ptr() != g.data_ptr() and y.data_ptr() != g.data_ptr()
+
+
+def test_bias_act_returns_y_in_hs_dtype_and_checks_pre_act_outs_device(monkeypatch):
+    h = torch.randn(6, 32, device=DEVICE, dtype=torch.bfloat16)
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        pre = torch.empty(6, 32, device=DEVICE, dtype=torch.float32)
+        y, _, _ = bias_act(h, torch.randn(32, device=DEVICE), "gelu_tanh", pre_act_out=pre)
+        assert y.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"`pre_act_out` is on meta but `h` is on"):
+        bias_act(h, None, "relu", pre_act_out=torch.empty(6, 32, device="meta"))

@@ -72,3 +72,24 @@ def test_an_amax_too_small_for_a_finite_scale_gets_the_largest_finite_one(fp8_ma
                                  fp8_max=fp8_max, margin=0, use_max=True)
         assert new.tolist() == [torch.finfo(torch.float32).max, fp8_max], update.__name__
         assert new_inv[0].item() == (1.0 / torch.tensor(torch.finfo(torch.float32).max)).item() > 0
+
+
+def test_the_reference_rolls_the_history_in_place():
+    history = torch.tensor([[4.0, 2.0], [1.0, 8.0]])
+    scale, nonfinite = torch.ones(2), torch.zeros(2, dtype=torch.int64)
+    returned, _, _ = update_scales_reference(history, scale, nonfinite, fp8_max=448.0, margin=0, use_max=True)
+    assert returned is history
+    assert torch.equal(history, torch.tensor([[0.0, 0.0], [4.0, 2.0]]))
+
+
+@pytest.mark.parametrize("history, scale, nonfinite, match", [
+    (torch.zeros(0, 3), torch.ones(3), torch.zeros(3, dtype=torch.int64), "`history` must be a float32 \\(length >= 1"),
+    (torch.zeros(4, 3, dtype=torch.float16), torch.ones(3), torch.zeros(3, dtype=torch.int64), "`history` must be"),
+    (torch.zeros(4, 5), torch.ones(3), torch.zeros(5, dtype=torch.int64), r"`scale` must be a float32 \(5,\) tensor"),
+    (torch.zeros(4, 3), torch.ones(3), torch.zeros(3, dtype=torch.int32), r"`nonfinite` must be a contiguous int64"),
+    (torch.zeros(4, 3), torch.ones(3), torch.zeros(6, dtype=torch.int64)[::2], "`nonfinite` must be a contiguous"),
+])
+def test_bad_arguments_are_refused_naming_what_was_given(history, scale, nonfinite, match):
+    for update in (update_scales, update_scales_reference):
+        with pytest.raises(ValueError, match=match):
+            update(history.to(DEVICE), scale.to(DEVICE), nonfinite.to(DEVICE), fp8_max=448.0, margin=0, use_max=True)

@@ -155,7 +155,8 @@ class GPT(nn.Module):
         """A GPT holding a copy of the weights of a Hugging Face `GPT2LMHeadModel`.
 
         Raises:
-            ValueError: if the HF model's activation or LayerNorm epsilon differ from this model's.
+            ValueError: if the HF model's activation, LayerNorm epsilon, head tying, attention scaling or
+                MLP width differ from this model's.
         """
         hf_config = hf_model.config
         if hf_config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -169,6 +170,17 @@ class GPT(nn.Module):
                 f"the Hugging Face model uses layer_norm_epsilon={hf_config.layer_norm_epsilon}; "
                 "this GPT's LayerNorms use PyTorch's 1e-5: load it with model.source=hf instead"
             )
+        # Settings this GPT does not have (it would load the weights and compute something else).
+        expected = {"tie_word_embeddings": True, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                    "reorder_and_upcast_attn": False}
+        for name, value in expected.items():
+            if getattr(hf_config, name, value) != value:
+                raise ValueError(f"the Hugging Face model has {name}={getattr(hf_config, name)!r}; this GPT computes "
+                                 f"{name}={value!r}: load it with model.source=hf instead")
+        n_inner = getattr(hf_config, "n_inner", None)
+        if n_inner not in (None, 4 * hf_config.n_embd):
+            raise ValueError(f"the Hugging Face model has n_inner={n_inner}; this GPT's MLP is 4 * n_embd = "
+                             f"{4 * hf_config.n_embd} wide: load it with model.source=hf instead")
         config = GPTConfig(
             block_size=hf_config.n_positions,
             vocab_size=hf_config.vocab_size,

@@ -159,6 +159,17 @@ def test_native_gpt_matches_hf_gpt2_after_weight_copy(tmp_path: Path) -> None:
     torch.testing.assert_close(native(idx), hf_model(input_ids=idx).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("setting", [dict(tie_word_embeddings=False), dict(scale_attn_by_inverse_layer_idx=True),
+                                     dict(scale_attn_weights=False), dict(n_inner=128)])
+def test_an_hf_gpt2_this_gpt_cannot_compute_is_refused_not_loaded(setting) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=1, n_head=4, **setting))
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"the Hugging Face model has {name}=.*load it with model.source=hf"):
+        GPT.from_hf_gpt2(hf_model)
+
+
 def test_random_blocks_are_deterministic_and_shifted_by_one() -> None:
     tokens = torch.randint(0, 256, (5000,), dtype=torch.int32)
     first, again, other = (RandomBlockDataset(tokens, 64, 32, seed) for seed in (7, 7, 8))

@@ -80,13 +80,15 @@ class RandomBlockDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         block_size: tokens per sample.
         num_blocks: samples in one pass over the dataset.
         seed: seed of the offsets.
+        split: what the stream is ("train", "val"), for error messages.
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, num_blocks: int, seed: int) -> None:
+    def __init__(self, tokens: torch.Tensor, block_size: int, num_blocks: int, seed: int, split: str = "train") -> None:
         if len(tokens) < block_size + 1:
             raise ValueError(
-                f"a block needs block_size + 1 = {block_size + 1} tokens (inputs and the targets shifted by one), "
-                f"but the token stream has {len(tokens)}; use a smaller block_size or more data"
+                f"the {split} split has {len(tokens)} tokens, but a block needs block_size + 1 = {block_size + 1} "
+                "(inputs and the targets shifted by one); use a smaller data.block_size, more data (data.path, "
+                "data.max_bytes) or a data.val_fraction that leaves this split more"
             )
         self.tokens = tokens
         self.block_size = block_size
@@ -104,18 +106,51 @@ class RandomBlockDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class ResumingSampler(Sampler[int]):
-    """Indices ``0 .. n-1`` in order; the first pass starts at ``start`` (the samples a resumed epoch
-    has already trained on come last, past where Lightning ends the epoch), later passes at 0."""
+    """One rank's share of indices ``0 .. n-1``, rank-strided over the global order, in whole global batches.
 
-    def __init__(self, n: int, start: int = 0) -> None:
-        self.n, self.start = n, start % n if n else 0
+    The global order is ``0 .. n-1``; global batch ``k`` is positions ``k*B*W .. (k+1)*B*W - 1``
+    (``B = batch_size`` per rank, ``W = world_size`` ranks), and rank ``r`` takes the positions
+    ``r, r + W, r + 2W, ...`` of it. So the ranks' ``k``-th batches together are global batch ``k``, no
+    sample is in two ranks' shares, and ``W`` ranks see what one process of batch ``B*W`` sees. The last
+    ``n % (B*W)`` indices are left out (drop_last): an epoch is ``n // (B*W)`` whole steps on every rank,
+    which keeps a resumed epoch in step with an uninterrupted one.
+
+    The first pass starts at global position ``start`` (what a resumed epoch has already trained on,
+    ``completed batches * B * W``); the samples before it come last, past where Lightning ends the epoch.
+    A ``start`` at the end of the epoch (a run stopped after its last batch) makes the first pass empty:
+    the resumed epoch has nothing left (Lightning, resuming from a checkpoint written at the validation
+    of an epoch's last batch, asks it for one more batch before it starts the next epoch). Later passes
+    start at 0.
+
+    Lightning must not wrap this sampler in its DistributedSampler (``use_distributed_sampler=False``).
+
+    Raises:
+        ValueError: for a rank outside ``0 .. world_size - 1``, or a ``start`` that is not a whole number of
+            global batches.
+    """
+
+    def __init__(self, n: int, batch_size: int = 1, start: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must lie in 0 .. world_size - 1 = {world_size - 1}")
+        global_batch = batch_size * world_size
+        if start % global_batch:
+            raise ValueError(
+                f"start={start} must be a whole number of global batches of batch_size x world_size = "
+                f"{batch_size} x {world_size} = {global_batch} samples"
+            )
+        self.n, self.rank, self.world_size = n, rank, world_size
+        self.used = n - n % global_batch  # global positions 0 .. used-1 are trained on
+        self.start = start
 
     def __len__(self) -> int:
-        return self.n
+        return self.used // self.world_size
 
     def __iter__(self) -> Iterator[int]:
-        start, self.start = self.start, 0
-        return itertools.chain(range(start, self.n), range(start))
+        start, self.start = self.start // self.world_size, 0  # this rank's share of what is done
+        share = range(self.rank, self.used, self.world_size)
+        if start >= len(share):
+            return iter(())  # the resumed epoch is over
+        return itertools.chain(share[start:], share[:start])
 
 
 class TextDataModule(L.LightningDataModule):
@@ -133,7 +168,8 @@ class TextDataModule(L.LightningDataModule):
         block_size: tokens per sample.
         batch_size: samples per batch (per device).
         val_fraction: share of the token stream held out for validation.
-        train_blocks: training samples per epoch (training usually stops at `max_steps` first).
+        train_blocks: training samples per epoch (training usually stops at `max_steps` first); an epoch
+            is train_blocks // (batch_size x devices) whole steps, the remaining blocks are left out.
         val_blocks: validation samples.
         num_workers: DataLoader worker processes.
         seed: seed of the random block offsets.
@@ -207,30 +243,58 @@ class TextDataModule(L.LightningDataModule):
             len(self.files), len(corpus), len(tokens), n_train, len(tokens) - n_train,
         )
         # different seeds for the two splits, so their offset sequences are unrelated
-        self.train_dataset = RandomBlockDataset(tokens[:n_train], self.block_size, self.train_blocks, self.seed)
-        self.val_dataset = RandomBlockDataset(tokens[n_train:], self.block_size, self.val_blocks, self.seed + 1)
+        self.train_dataset = RandomBlockDataset(tokens[:n_train], self.block_size, self.train_blocks, self.seed,
+                                                split="train")
+        self.val_dataset = RandomBlockDataset(tokens[n_train:], self.block_size, self.val_blocks, self.seed + 1,
+                                              split="val")
+
+    def _rank(self) -> tuple[int, int]:
+        """(this process's rank, the number of ranks); (0, 1) without a Trainer."""
+        if self.trainer is None:
+            return 0, 1
+        return self.trainer.global_rank, self.trainer.world_size
 
     def train_dataloader(self) -> DataLoader:
+        """This rank's share of every global batch (see ResumingSampler), whole global batches only.
+
+        Raises:
+            ValueError: if data.train_blocks is less than one global batch.
+        """
+        rank, world_size = self._rank()
+        if self.train_blocks < self.batch_size * world_size:
+            raise ValueError(
+                f"data.train_blocks={self.train_blocks} is less than one global batch of data.batch_size x ranks = "
+                f"{self.batch_size} x {world_size}; use a data.train_blocks of at least {self.batch_size * world_size}"
+            )
         # A run resumed mid-epoch: Lightning restores its loops before it asks for the loader, so the
-        # samples every rank has already trained on this epoch are known; start after them rather
-        # than replay the epoch from its first block.
+        # samples all ranks together have already trained on this epoch are known; start after them
+        # rather than replay the epoch from its first block.
         start = 0
         if self.trainer is not None:
             done = self.trainer.fit_loop.epoch_loop.batch_progress.current.completed
-            start = done * self.batch_size * self.trainer.world_size
-        return self._dataloader(self.train_dataset, start)
+            start = done * self.batch_size * world_size
+        sampler = ResumingSampler(self.train_blocks, self.batch_size, start, rank, world_size)
+        return self._dataloader(self.train_dataset, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return self._dataloader(self.val_dataset)
+        """This rank's share of the validation blocks, rank-strided; every rank gets as many (the last
+        val_blocks % ranks blocks are left out), so all ranks run the same number of batches."""
+        rank, world_size = self._rank()
+        if self.val_blocks < world_size:
+            raise ValueError(
+                f"data.val_blocks={self.val_blocks} is less than one block for each of the {world_size} ranks; "
+                f"use a data.val_blocks of at least {world_size}"
+            )
+        return self._dataloader(self.val_dataset, ResumingSampler(self.val_blocks, 1, 0, rank, world_size))
 
-    def _dataloader(self, dataset: RandomBlockDataset | None, start: int = 0) -> DataLoader:
+    def _dataloader(self, dataset: RandomBlockDataset | None, sampler: ResumingSampler) -> DataLoader:
         if dataset is None:
             raise RuntimeError("TextDataModule.setup() must run before its dataloaders are asked for")
         # no shuffling: the offsets are already random, and a fixed order keeps runs repeatable
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=ResumingSampler(len(dataset), start),
+            sampler=sampler,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,

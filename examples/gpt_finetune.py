@@ -202,11 +202,12 @@ class GPTFineTune(L.LightningModule):
         super().__init__()
         self.model = model
         self.save_hyperparameters(ignore=["model"])
-        # (global step, mean validation loss) of every validation; the sanity check counts as the one at init
+        # (global step, validation loss: mean over every token of every rank) of every validation; the
+        # sanity check counts as the one at init
         self.val_history: list[tuple[int, float]] = []
         # the last few training losses, kept on the device so recording them costs no sync
         self.recent_train_losses: deque[torch.Tensor] = deque(maxlen=10)
-        self._val_batch_losses: list[torch.Tensor] = []
+        self._val_sums: list[torch.Tensor] = []  # (sum of the token losses, tokens) of each validation batch
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, vocab_size) for token ids `idx` (B, T)."""
@@ -228,18 +229,21 @@ class GPTFineTune(L.LightningModule):
 
     @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        loss = self.loss(batch)
-        self.log("val/loss", loss, prog_bar=True)
-        self._val_batch_losses.append(loss)
+        x, y = batch  # (B, T), (B, T)
+        total = F.cross_entropy(self(x).flatten(0, 1), y.flatten(), reduction="sum").float()
+        tokens = y.numel()
+        # batch_size=tokens: Lightning's epoch value of val/loss is a mean over tokens too, not over batches
+        self.log("val/loss", total / tokens, prog_bar=True, batch_size=tokens)
+        self._val_sums.append(torch.stack([total.detach(), total.new_tensor(tokens)]))
 
     @override
     def on_validation_epoch_end(self) -> None:
-        if not self._val_batch_losses:
+        if not self._val_sums:
             return
-        mean = torch.stack(self._val_batch_losses).mean()
-        mean = self.trainer.strategy.reduce(mean, reduce_op="mean")
-        self.val_history.append((self.global_step, mean.item()))
-        self._val_batch_losses.clear()
+        # a mean over tokens (a smaller last batch weighs by its tokens), over all ranks' batches
+        total, tokens = self.trainer.strategy.reduce(torch.stack(self._val_sums).sum(0), reduce_op="sum")
+        self.val_history.append((self.global_step, (total / tokens).item()))
+        self._val_sums.clear()
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -261,8 +265,26 @@ class GPTFineTune(L.LightningModule):
             total_steps=self.trainer.estimated_stepping_batches,
             min_ratio=settings["min_lr"] / settings["lr"],
         )
+        # A resumed run rebuilds this schedule from its own trainer.max_steps: with a different max_steps
+        # it continues on the new cosine from the step it resumes at (the learning rate jumps there; see
+        # on_train_start).
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def on_train_start(self) -> None:
+        # A resumed run restores the optimizer's learning rates as the checkpoint's schedule left them, and
+        # LambdaLR only recomputes them after the next step: with a different trainer.max_steps the first
+        # resumed step would take the old schedule's rate. Set them from this run's schedule now (a fresh
+        # run: the rates LambdaLR set at step 0 already).
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                continue
+            groups = scheduler.optimizer.param_groups
+            for group, base_lr, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+                group["lr"] = base_lr * multiplier(scheduler.last_epoch)
+            scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() (and the LR monitor) report
 
     def _can_fuse_optimizer(self) -> bool:
         """Fused AdamW where clipping its gradients here is right: no gradient scaler (fp16-mixed
@@ -380,6 +402,7 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainRes
     Every input is checked (data.path, data.tokenizer, init_from, resume_from) before training starts.
     `extra_callbacks` join the Trainer's (the benchmarks add a profiler this way).
     """
+    check_trainer_config(cfg.trainer)
     L.seed_everything(cfg.seed, workers=True)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     resume_from = cfg.get("resume_from")
@@ -405,20 +428,24 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainRes
     save_checkpoints = cfg.trainer.get("enable_checkpointing", True)
     last_checkpoint = output_dir / "checkpoints" / "last.ckpt"
     if save_checkpoints:
-        # only last.ckpt, rewritten at each validation: GPT-2 XL-sized checkpoints are tens of GB each
-        callbacks.append(ModelCheckpoint(dirpath=last_checkpoint.parent, save_top_k=0, save_last=True))
+        # only last.ckpt, rewritten at each validation: GPT-2 XL-sized checkpoints are tens of GB each.
+        # (save_top_k=0 with save_last=True writes nothing at validation: Lightning then only saves
+        # last.ckpt at the end of fit, so a run that crashes leaves none.)
+        callbacks.append(ModelCheckpoint(dirpath=last_checkpoint.parent, filename=last_checkpoint.stem, monitor=None,
+                                         save_top_k=1, enable_version_counter=False, save_last=False,
+                                         save_on_train_epoch_end=False))
     if cfg.get("fuse") is not None:
         callbacks.append(hydra.utils.instantiate(cfg.fuse))
     callbacks.extend(extra_callbacks)
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=CSVLogger(output_dir, name="csv")
-    )
+    trainer = build_trainer(cfg, callbacks)
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_path) if resume_path else None)
     last_validated = module.val_history[-1][0] if module.val_history else None
-    if trainer.limit_val_batches != 0 and last_validated != trainer.global_step:
-        # no validation at the last step (none scheduled there, or none at all): validate and save the final model
-        trainer.validate(module, datamodule=datamodule, verbose=False)
+    if last_validated != trainer.global_step:
+        # no validation at the last step (none scheduled there, or none at all), so no checkpoint of it
+        # either: validate and save the final model
+        if trainer.limit_val_batches != 0:
+            trainer.validate(module, datamodule=datamodule, verbose=False)
         if save_checkpoints:
             trainer.save_checkpoint(last_checkpoint)
 
@@ -433,6 +460,34 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[Callback] = ()) -> TrainRes
         steps=trainer.global_step,
         checkpoint_path=str(last_checkpoint) if last_checkpoint.is_file() else "",
     )
+
+
+def check_trainer_config(trainer: DictConfig) -> None:
+    """Refuses trainer settings the example would train or resume wrongly with.
+
+    Raises:
+        ValueError: if an integer `val_check_interval` (micro-batches) is not a multiple of
+            `accumulate_grad_batches`: validation, and the last.ckpt written there, would fall inside a
+            gradient accumulation, and a run resumed from it would lose the gradients accumulated so far.
+    """
+    interval, accumulate = trainer.get("val_check_interval"), trainer.get("accumulate_grad_batches", 1)
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval % accumulate:
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is not a multiple of trainer.accumulate_grad_batches={accumulate}: "
+            "validation (and the checkpoint written there) would fall inside a gradient accumulation, and a run "
+            f"resumed from that checkpoint would lose the gradients accumulated so far; use a multiple of {accumulate}, "
+            f"e.g. {max(accumulate, interval - interval % accumulate)}"
+        )
+
+
+def build_trainer(cfg: DictConfig, callbacks: Sequence[Callback]) -> L.Trainer:
+    """The Trainer of `cfg.trainer`, logging CSV to `cfg.output_dir`.
+
+    `use_distributed_sampler=False`: the data's sampler already gives each rank its own share, in an
+    order a resumed run can continue (Lightning's DistributedSampler would reshuffle it).
+    """
+    return hydra.utils.instantiate(cfg.trainer, callbacks=list(callbacks), logger=CSVLogger(cfg.output_dir, name="csv"),
+                                   use_distributed_sampler=False)
 
 
 @rank_zero_only

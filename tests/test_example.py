@@ -7,12 +7,16 @@ script does.
 
 import math
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from lightning.pytorch import Callback
+from omegaconf import DictConfig, OmegaConf
+from torch.nn import functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
@@ -77,6 +81,55 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 def quick_config(tmp_path: Path, overrides: list[str]) -> DictConfig:
     return compose_config([*QUICK, f"output_dir={tmp_path}", *overrides])
+
+
+class MicroBatches(Callback):
+    """A fingerprint of every training micro-batch, with the optimizer step it belongs to."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append((trainer.global_step, int(batch[0].sum())))
+
+
+class SeenSamples(Callback):
+    """The dataset indices of every training micro-batch, with the optimizer step it belongs to
+    (found by content, so the test does not trust the sampler it checks)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int]]] = []
+        self._index: dict[tuple[int, ...], int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not self._index:
+            dataset = trainer.datamodule.train_dataset
+            self._index = {tuple(dataset[i][0].tolist()): i for i in range(len(dataset))}
+            assert len(self._index) == len(dataset), "two blocks alike: indices cannot be told apart"
+        self.seen.append((trainer.global_step, [self._index[tuple(row.tolist())] for row in batch[0]]))
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAtStep(Callback):
+    """Stops a run the hard way (an exception, not a graceful end) as optimizer step `step` begins."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise Crash(f"crashed at step {self.step}")
+
+
+def stub_trainer(rank: int, world_size: int, completed: int) -> SimpleNamespace:
+    """What TextDataModule.train_dataloader reads of a Trainer: its rank, the world size and the
+    batches this epoch has completed (non-zero on a resumed run)."""
+    progress = SimpleNamespace(current=SimpleNamespace(completed=completed))
+    return SimpleNamespace(global_rank=rank, world_size=world_size,
+                           fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
 
 
 def save_tiny_hf_gpt2(directory: Path) -> Path:
@@ -209,6 +262,59 @@ def test_data_from_a_folder_and_a_local_tokenizer(tmp_path: Path) -> None:
     assert x.shape == (16, 16) and 0 <= int(x.min()) and int(x.max()) < data.vocab_size
 
 
+def test_ddp_ranks_share_an_epoch_disjointly_and_a_resumed_epoch_serves_only_what_is_left() -> None:
+    # 10 blocks, 2 ranks of batch 2: global batches of 4, so an epoch is 2 steps over blocks 0..7
+    data = TextDataModule(block_size=16, batch_size=2, train_blocks=10, val_blocks=11, max_bytes=50_000)
+    data.setup("fit")
+
+    def batches(rank: int, completed: int) -> list[list[int]]:
+        data.trainer = stub_trainer(rank, world_size=2, completed=completed)
+        loader = data.train_dataloader()
+        # the batches Lightning takes in this epoch: len(loader) less those the resumed epoch has done
+        return [list(batch) for _, batch in zip(range(len(loader) - completed), loader.batch_sampler)]
+
+    whole = {rank: batches(rank, completed=0) for rank in (0, 1)}
+    assert whole == {0: [[0, 2], [4, 6]], 1: [[1, 3], [5, 7]]}  # rank-strided over the global order
+    every = Counter(i for rank in (0, 1) for batch in whole[rank] for i in batch)
+    assert every == Counter(range(8))  # each block of the epoch exactly once, over both ranks
+    seen_in_step_0 = set(whole[0][0] + whole[1][0])
+    resumed = {rank: batches(rank, completed=1) for rank in (0, 1)}  # resumed after one optimizer step
+    assert resumed == {rank: whole[rank][1:] for rank in (0, 1)}  # step for step, on each rank
+    assert set(resumed[0][0] + resumed[1][0]) == set(range(8)) - seen_in_step_0
+    # validation: 11 blocks over 2 ranks, 5 each (the odd one left out), none on both
+    shares = []
+    for rank in (0, 1):
+        data.trainer = stub_trainer(rank, world_size=2, completed=0)
+        shares.append([i for batch in data.val_dataloader().batch_sampler for i in batch])
+    assert sorted(shares[0] + shares[1]) == list(range(10)) and len(shares[0]) == len(shares[1]) == 5
+
+
+def test_lightning_keeps_the_example_sampler_under_ddp(tmp_path: Path) -> None:
+    # Lightning's default (use_distributed_sampler=True) wraps any sampler in a shuffling
+    # DistributedSamplerWrapper, which breaks the resume order the example's sampler keeps.
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from gpt_finetune import build_trainer
+
+    cfg = quick_config(tmp_path, ["trainer.devices=2", "trainer.strategy=ddp", "data.train_blocks=64", "fuse=null"])
+    trainer = build_trainer(cfg, [])
+    data = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+    data.trainer = trainer
+    data.setup("fit")
+    loader = data.train_dataloader()
+    # what trainer.fit does to the training loader before iterating it (Lightning's own, private, step)
+    prepared = trainer._data_connector._prepare_dataloader(loader, shuffle=True, mode=RunningStage.TRAINING)
+    assert type(prepared.sampler).__name__ == "ResumingSampler" and prepared.sampler is loader.sampler
+
+
+def test_a_split_too_short_for_one_block_is_named(tmp_path: Path) -> None:
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("x" * 1000)  # 1000 bytes + the newline read_corpus adds: 900 train tokens, 101 val
+    data = TextDataModule(path=str(corpus), block_size=128, val_fraction=0.1)
+    with pytest.raises(ValueError, match=r"the val split has 101 tokens.*block_size \+ 1 = 129"):
+        data.setup("fit")
+
+
 def test_lr_schedule_warms_up_then_decays_to_min() -> None:
     multipliers = [lr_multiplier(step, warmup_steps=5, total_steps=50, min_ratio=0.1) for step in range(60)]
     assert multipliers[0] < multipliers[4] < multipliers[5] == 1.0
@@ -325,6 +431,128 @@ def test_a_resumed_run_trains_on_what_the_uninterrupted_run_trains_on(tmp_path: 
                                                         *common]), extra_callbacks=[second])
     assert {**first.seen, **second.seen} == whole.seen and sorted(second.seen) == [3, 4, 5]
     assert resumed.val_loss == pytest.approx(uninterrupted.val_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_crashed_run_resumes_from_the_last_ckpt_of_its_last_validation(tmp_path: Path, accumulate: int) -> None:
+    # validations at optimizer steps 3 and 6 (val_check_interval counts micro-batches); the crash
+    # comes at step 5, so only the checkpoint written at the validation of step 3 can resume the run
+    common = ["trainer.max_steps=6", f"trainer.val_check_interval={3 * accumulate}",
+              f"trainer.accumulate_grad_batches={accumulate}", "fuse=null"]
+    whole, crashed, resumed = MicroBatches(), MicroBatches(), MicroBatches()
+    uninterrupted = train(quick_config(tmp_path / "whole", common), extra_callbacks=[whole])
+    assert [step for step, _ in uninterrupted.val_history] == [0, 3, 6]
+    with pytest.raises(Crash):
+        train(quick_config(tmp_path / "crashed", common), extra_callbacks=[crashed, CrashAtStep(5)])
+    checkpoint = tmp_path / "crashed" / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_file(), "no last.ckpt was written at the validation of step 3"
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 3
+    result = train(quick_config(tmp_path / "resumed", [f"resume_from={checkpoint}", *common]),
+                   extra_callbacks=[resumed])
+    assert [step for step, _ in result.val_history] == [6]
+    assert resumed.seen[0][0] == 3 and len(whole.seen) == 6 * accumulate
+    assert [batch for batch in crashed.seen if batch[0] < 3] + resumed.seen == whole.seen  # micro-batch for micro-batch
+    assert result.val_loss == pytest.approx(uninterrupted.val_loss, rel=1e-6)
+
+
+def test_a_validation_inside_a_gradient_accumulation_is_refused(tmp_path: Path) -> None:
+    overrides = ["trainer.max_steps=2", "trainer.accumulate_grad_batches=2", "trainer.val_check_interval=3", "fuse=null"]
+    expected = r"trainer\.val_check_interval=3 is not a multiple of trainer\.accumulate_grad_batches=2"
+    with pytest.raises(ValueError, match=expected):
+        train(quick_config(tmp_path, overrides))
+    assert not (tmp_path / "checkpoints").exists()  # refused before any training
+
+
+def test_a_resumed_run_sees_what_the_uninterrupted_run_sees_when_the_blocks_do_not_fill_the_last_batch(
+    tmp_path: Path,
+) -> None:
+    # 10 blocks in batches of 3: only whole batches, so every epoch is [0, 1, 2], [3, 4, 5], [6, 7, 8]
+    # warm-up longer than the run: the learning-rate schedule does not depend on max_steps
+    common = ["data.train_blocks=10", "data.batch_size=3", "optimizer.warmup_steps=10", "fuse=null"]
+    expected = [(step, [3 * (step % 3) + i for i in range(3)]) for step in range(8)]
+    whole = SeenSamples()
+    uninterrupted = train(quick_config(tmp_path / "whole", ["trainer.max_steps=8", "trainer.val_check_interval=8",
+                                                            *common]), extra_callbacks=[whole])
+    assert whole.seen == expected
+    # stopped at the end of the first epoch (its last.ckpt written at the validation there, or after
+    # fit when no validation is due), and inside the second
+    for stop, interval in ((3, 3), (3, 8), (5, 5)):
+        first, second = SeenSamples(), SeenSamples()
+        half = train(quick_config(tmp_path / f"half{stop}-{interval}", [f"trainer.max_steps={stop}",
+                                                                         f"trainer.val_check_interval={interval}",
+                                                                         *common]),
+                     extra_callbacks=[first])
+        resumed = train(quick_config(tmp_path / f"resumed{stop}-{interval}", [f"resume_from={half.checkpoint_path}",
+                                                                              "trainer.max_steps=8",
+                                                                              "trainer.val_check_interval=8",
+                                                                              *common]),
+                        extra_callbacks=[second])
+        assert first.seen + second.seen == expected, f"interrupted at step {stop}, validating every {interval}"
+        assert resumed.val_loss == pytest.approx(uninterrupted.val_loss, rel=1e-6)
+
+
+def test_a_run_resumed_with_a_longer_max_steps_follows_its_own_lr_schedule_from_the_first_step(tmp_path: Path) -> None:
+    class LearningRates(Callback):  # the learning rate each optimizer step applies
+        def __init__(self) -> None:
+            self.lrs: dict[int, float] = {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.lrs[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+    common = ["optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "optimizer.warmup_steps=2", "fuse=null"]
+    first, second = LearningRates(), LearningRates()
+    half = train(quick_config(tmp_path / "half", ["trainer.max_steps=4", "trainer.val_check_interval=4", *common]),
+                 extra_callbacks=[first])
+    train(quick_config(tmp_path / "resumed", [f"resume_from={half.checkpoint_path}", "trainer.max_steps=10",
+                                              "trainer.val_check_interval=10", *common]), extra_callbacks=[second])
+    assert first.lrs == pytest.approx({step: 1e-3 * lr_multiplier(step, 2, 4, 0.1) for step in range(4)}, rel=1e-9)
+    # the resumed run's own schedule (a cosine to step 10), already at its first step
+    assert second.lrs == pytest.approx({step: 1e-3 * lr_multiplier(step, 2, 10, 0.1) for step in range(4, 10)},
+                                       rel=1e-9)
+
+
+def test_the_summary_val_loss_is_the_mean_over_tokens_not_over_batches(tmp_path: Path) -> None:
+    class TokenMean(Callback):  # each validation's loss recomputed directly, over every val token at once
+        def __init__(self) -> None:
+            self.rows: list[tuple[float, float, float]] = []  # (summary, token mean, mean of batch means)
+
+        def on_validation_end(self, trainer, pl_module):  # after the module's on_validation_epoch_end
+            dataset = trainer.datamodule.val_dataset
+            x, y = (torch.stack(parts) for parts in zip(*(dataset[i] for i in range(len(dataset)))))
+            with torch.no_grad():
+                losses = F.cross_entropy(pl_module(x).flatten(0, 1), y.flatten(), reduction="none").view(len(x), -1)
+            batch_means = [losses[i : i + 4].mean() for i in range(0, len(x), 4)]  # batches of 4, 4, 2
+            self.rows.append((pl_module.val_history[-1][1], losses.mean().item(), torch.stack(batch_means).mean().item()))
+
+    probe = TokenMean()
+    overrides = ["data.val_blocks=10", "data.batch_size=4", "trainer.limit_val_batches=3", "trainer.max_steps=4",
+                 "trainer.val_check_interval=4", "fuse=null"]
+    result = train(quick_config(tmp_path, overrides), extra_callbacks=[probe])
+    assert [step for step, _ in result.val_history] == [0, 4] and len(probe.rows) == 2
+    for summary, token_mean, mean_of_batch_means in probe.rows:
+        assert abs(token_mean - mean_of_batch_means) > 1e-4  # the batches differ enough to tell them apart
+        assert summary == pytest.approx(token_mean, rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize(("limit", "batches"), [("0.5", 4), ("1.0", 8), ("3", 3)])
+def test_the_sanity_check_runs_the_validation_batches(tmp_path: Path, limit: str, batches: int) -> None:
+    class Count(Callback):
+        def __init__(self) -> None:
+            self.sanity = self.validation = 0
+
+        def on_validation_batch_end(self, trainer, *args):
+            if trainer.sanity_checking:
+                self.sanity += 1
+            else:
+                self.validation += 1
+
+    count = Count()
+    # 32 validation blocks in batches of 4: 8 batches
+    overrides = [f"trainer.limit_val_batches={limit}", "data.val_blocks=32", "data.batch_size=4",
+                 "trainer.max_steps=2", "trainer.val_check_interval=2", "fuse=null"]
+    result = train(quick_config(tmp_path, overrides), extra_callbacks=[count])
+    assert [step for step, _ in result.val_history] == [0, 2]
+    assert (count.sanity, count.validation) == (batches, batches)
 
 
 def test_a_run_without_scheduled_validation_still_ends_with_one(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "as_rows",
     "check_amax",
     "check_float_tensor",
+    "check_margin",
     "check_scale",
     "device_has_fp8",
     "LAUNCH_RULES",
@@ -82,8 +83,9 @@ def launcher(kernel, traced: bool):
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors when the Triton interpreter is on."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Triton runs on CUDA tensors, and on CPU tensors when the Triton interpreter is on. Tensors on
+    other devices (``meta`` among them: no data to run on) take the pure-torch references."""
+    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def check_float_tensor(t: object, argument: str) -> torch.Tensor:
@@ -111,6 +113,13 @@ def check_scale(scale: object, device: torch.device, argument: str = "scale") ->
     if scale.device != device:
         raise ValueError(f"`{argument}` is on {scale.device} but the input is on {device}")
     return scale
+
+
+def check_margin(margin: object) -> int:
+    """``margin`` of ``scale = fp8_max / amax / 2**margin``: an int (the registered ops' schema says so)."""
+    if not isinstance(margin, int) or isinstance(margin, bool):
+        raise ValueError(f"`margin` must be an int (scale = fp8_max / amax / 2**margin); got {margin!r}")
+    return margin
 
 
 def check_amax(amax: object, device: torch.device) -> torch.Tensor | None:

@@ -141,14 +141,18 @@ def _bias_act_impl(h: torch.Tensor, bias: Optional[torch.Tensor], activation: in
                    scale: Optional[torch.Tensor], fp8_code: int, amax: Optional[torch.Tensor],
                    transpose: bool, pre_act_out: Optional[torch.Tensor], traced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, q, q_t = _bias_act_run(h, bias, activation, out_dtype, scale, fp8_code, amax, transpose, pre_act_out, traced)
-    # A registered op returns tensors: empty ones stand for the outputs not asked for.
-    placeholder = torch.empty((0, 0), dtype=torch.uint8, device=h.device)
-    return y, (q if q is not None else placeholder), (q_t if q_t is not None else placeholder)
+    # A registered op returns tensors: empty ones stand for the outputs not asked for, one each (no
+    # output of a custom op may alias another).
+    def placeholder():
+        return torch.empty((0, 0), dtype=torch.uint8, device=h.device)
+
+    return y, (q if q is not None else placeholder()), (q_t if q_t is not None else placeholder())
 
 
 _bias_act_op = triton_op("lightning_fuse::bias_act", _bias_act_impl, mutates_args={"amax", "pre_act_out"})
 
 
+@torch.no_grad()  # not differentiable, as the kernel is not: no autograd history on the outputs or on amax
 def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str], *,
                        scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
                        amax: Optional[torch.Tensor] = None, transpose: bool = False,
@@ -159,7 +163,7 @@ def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation
     if bias is not None:
         x = x + bias.to(compute_dtype)
     y = x if activation is None else activation_reference(x, activation)
-    y = y.to(out_dtype or h.dtype, copy=True)
+    y = y.to(out_dtype or h.dtype, memory_format=torch.contiguous_format, copy=True)  # row-major, as the kernel writes
     if amax is not None:
         yf = y.to(torch.float32)
         absolute = torch.where(torch.isnan(yf), torch.full_like(yf, float("inf")), yf.abs())
@@ -168,7 +172,7 @@ def bias_act_reference(h: torch.Tensor, bias: Optional[torch.Tensor], activation
     if fp8_dtype is None:
         return y, None, None
     fmt = fp8_format(fp8_dtype)
-    q = (y.to(torch.float32) * scale.to(torch.float32)).clamp(-fmt.max, fmt.max).to(fp8_dtype)
+    q = (y.to(torch.float32) * scale.to(torch.float32).reshape(())).clamp(-fmt.max, fmt.max).to(fp8_dtype)
     return y, q, (q.t().contiguous() if transpose else None)
 
 
@@ -223,8 +227,9 @@ def bias_act(h: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: O
     h2 = h if h.dim() == 2 else as_rows(h)
     if not use_triton(h2):
         if pre_act_out is not None:
-            pre = h2.to(torch.float32) + (bias.to(torch.float32) if bias is not None else 0.0)
-            pre_act_out.copy_(pre.view_as(pre_act_out))
+            with torch.no_grad():  # written as the kernel writes it: no autograd history
+                pre = h2.to(torch.float32) + (bias.to(torch.float32) if bias is not None else 0.0)
+                pre_act_out.copy_(pre.view_as(pre_act_out))
             h2, bias = as_rows(pre_act_out), None
         y, q, q_t = bias_act_reference(h2, bias, activation, scale=scale, fp8_dtype=fp8_dtype, amax=amax,
                                        transpose=transpose, out_dtype=h.dtype)

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_scale, fp8_encoder,
-                      launch_config, launcher, needs_index_64, row_loop, use_triton)
+from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_margin, check_scale,
+                      fp8_encoder, launch_config, launcher, needs_index_64, row_loop, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id
 from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
 
@@ -382,6 +382,7 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
     return compiled
 
 
+@torch.no_grad()  # not differentiable, as the kernel is not: no autograd history on the outputs or on amax
 def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: str | None, *,
                                   scale: Optional[torch.Tensor] = None, fp8_dtype: Optional[torch.dtype] = None,
                                   amax: Optional[torch.Tensor] = None, transpose: bool = False,
@@ -397,11 +398,13 @@ def dact_dbias_quantize_reference(grad: torch.Tensor, pre_act: Optional[torch.Te
         absolute = torch.where(torch.isnan(dx), torch.full_like(dx, float("inf")), dx.abs())
         current = absolute.max() if dx.numel() else torch.zeros((), dtype=compute_dtype, device=dx.device)
         amax.copy_(torch.maximum(amax.view(()), current.to(torch.float32)).view_as(amax))
+    # New row-major tensors, as the kernel writes: never the caller's grad, nor its layout.
     if fp8_dtype is None:
-        out = dx.to(grad.dtype, copy=True)  # a new tensor, as the kernel writes, never the caller's grad
+        out = dx.to(grad.dtype, memory_format=torch.contiguous_format, copy=True)
         return out, None, dbias
     fmt = fp8_format(fp8_dtype)
-    out = (dx * scale.to(compute_dtype)).clamp(-fmt.max, fmt.max).to(torch.float32).to(fp8_dtype)
+    scaled = dx * scale.to(compute_dtype).reshape(())  # any one-element scale, as the kernel reads it
+    out = scaled.clamp(-fmt.max, fmt.max).to(torch.float32).to(fp8_dtype, memory_format=torch.contiguous_format)
     return out, (out.t().contiguous() if transpose else None), dbias
 
 
@@ -447,8 +450,8 @@ _dact_dbias_quantize_op = triton_op("lightning_fuse::dact_dbias_quantize", _dact
 
 
 def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, dbias_dtype=torch.float32,
-              scale_given_by_caller=True):
-    check_float_tensor(grad, "grad")
+              scale_given_by_caller=True, argument="grad"):
+    check_float_tensor(grad, argument)
     if dbias_dtype not in FLOAT_DTYPES:
         raise ValueError(f"`dbias_dtype` must be one of {', '.join(map(str, FLOAT_DTYPES))}; got {dbias_dtype!r}")
     act = 0
@@ -473,12 +476,14 @@ def _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, dbia
 
 
 def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compute_dbias=True,
-             dbias_dtype=torch.float32):
+             dbias_dtype=torch.float32, argument="grad"):
     """Validates, flattens to rows, and runs the kernel (or the reference where Triton does not run).
+    ``argument``: the caller's name for ``grad``, for the error messages.
 
     Kept lean: it runs for every FP8 tensor of every step, and its CPU time adds to the launch's.
     """
-    act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, dbias_dtype)
+    act, code = _validate(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, dbias_dtype,
+                          argument=argument)
     n = grad.shape[-1]
     flat = grad.dim() == 2
     g2 = grad if flat else as_rows(grad)
@@ -526,8 +531,9 @@ def dact_dbias_quantize(grad: torch.Tensor, pre_act: torch.Tensor, activation: s
         With ``fp8_dtype``: ``dx = saturate(dx * scale)`` rounded to nearest-even.
 
     Raises:
-        TypeError: a non-tensor or a non-float input.
-        ValueError: mismatched shapes or devices, an unknown activation or FP8 dtype, a missing scale.
+        TypeError: a non-tensor or a non-float input, a missing scale (or one that is not a tensor).
+        ValueError: mismatched shapes or devices, an unknown activation or FP8 dtype, a scale or amax that is
+            not a float32 tensor of one element, a scale without ``fp8_dtype``.
     """
     if activation is None:
         raise ValueError("`activation` must name an activation; use dbias_quantize for the plain bias gradient")
@@ -557,11 +563,18 @@ def dact_dbias_quantize_current_scaling(grad: torch.Tensor, pre_act: Optional[to
         ``(dx, dx_t, dbias, amax, scale)`` with ``scale = fp8_max / amax / 2**margin`` (1 where the
         amax is zero or non-finite), ``amax`` and ``scale`` fp32 tensors of one element.
     """
+    return current_scaling_pass(grad, pre_act, activation, fp8_dtype, transpose, margin, compute_dbias, dbias_dtype)
+
+
+def current_scaling_pass(grad, pre_act, activation, fp8_dtype, transpose, margin, compute_dbias, dbias_dtype,
+                         argument="grad"):
+    """``dact_dbias_quantize_current_scaling``; ``argument`` is the caller's name for ``grad`` (error messages)."""
     if fp8_dtype is None:
         raise ValueError("`fp8_dtype` is required: current scaling casts to torch.float8_e4m3fn or torch.float8_e5m2")
+    fmt = fp8_format(fp8_dtype, optional=False)
+    check_margin(margin)
     act, code = _validate(grad, pre_act, activation, None, fp8_dtype, None, transpose, dbias_dtype,
-                          scale_given_by_caller=False)
-    fmt = fp8_format(fp8_dtype)
+                          scale_given_by_caller=False, argument=argument)
     amax = torch.zeros(1, dtype=torch.float32, device=grad.device)
     leading = grad.shape[:-1]
     g2 = as_rows(grad)

@@ -40,12 +40,14 @@ FP8_FORMATS: dict[torch.dtype, FP8Format] = {
 FORMAT_DTYPES: dict[int, torch.dtype] = {fmt.code: fmt.dtype for fmt in FP8_FORMATS.values()}  # by kernel code
 
 
-def fp8_format(fp8_dtype: object, argument: str = "fp8_dtype") -> FP8Format:
-    """The format of ``fp8_dtype``, or a ``ValueError`` naming what is accepted."""
+def fp8_format(fp8_dtype: object, argument: str = "fp8_dtype", optional: bool = True) -> FP8Format:
+    """The format of ``fp8_dtype``, or a ``ValueError`` naming what is accepted (``None`` too where the
+    caller takes it: ``optional``)."""
     fmt = FP8_FORMATS.get(fp8_dtype) if isinstance(fp8_dtype, torch.dtype) else None  # a list is unhashable
     if fmt is None:
         accepted = ", ".join(str(d) for d in FP8_FORMATS)
-        raise ValueError(f"`{argument}` must be one of {accepted} (or None); got {fp8_dtype!r}")
+        raise ValueError(f"`{argument}` must be one of {accepted}{' (or None)' if optional else ''}; "
+                         f"got {fp8_dtype!r}")
     return fmt
 
 

@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from .dact_dbias_quantize import dact_dbias_quantize_current_scaling, run_pass
+from .dact_dbias_quantize import current_scaling_pass, run_pass
+from .fp8 import fp8_format
 
 __all__ = ["quantize", "quantize_current_scaling"]
 
@@ -31,7 +32,8 @@ def quantize(x: torch.Tensor, *, scale: torch.Tensor, fp8_dtype: torch.dtype,
     """
     if fp8_dtype is None:
         raise ValueError("`fp8_dtype` is required: quantize casts to torch.float8_e4m3fn or torch.float8_e5m2")
-    out, out_t, _ = run_pass(x, None, None, scale, fp8_dtype, amax, transpose, compute_dbias=False)
+    fp8_format(fp8_dtype, optional=False)  # its message, not run_pass's, which offers None
+    out, out_t, _ = run_pass(x, None, None, scale, fp8_dtype, amax, transpose, compute_dbias=False, argument="x")
     return out, out_t
 
 
@@ -40,6 +42,6 @@ def quantize_current_scaling(x: torch.Tensor, *, fp8_dtype: torch.dtype, transpo
 
     Returns ``(x_fp8, x_fp8_t, amax, scale)``.
     """
-    out, out_t, _, amax, scale = dact_dbias_quantize_current_scaling(
-        x, None, None, fp8_dtype=fp8_dtype, transpose=transpose, margin=margin, compute_dbias=False)
+    out, out_t, _, amax, scale = current_scaling_pass(x, None, None, fp8_dtype, transpose, margin, False,
+                                                      torch.float32, argument="x")
     return out, out_t, amax, scale

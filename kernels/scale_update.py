@@ -12,11 +12,13 @@ the H200 host, more than the FP8 GEMMs it serves saved at d=1600 (benchmarks/ben
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import use_triton
+from ._launch import check_margin, use_triton
 
 __all__ = ["MAX_KERNEL_HISTORY", "aligned_scales", "update_scales", "update_scales_reference"]
 
@@ -80,7 +82,7 @@ def update_scales(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.T
     be a GEMM's scale), never the old ones written in place, because a backward pass may still
     hold the scale its forward quantized with.
     """
-    _check(history, scale, nonfinite)
+    _check(history, scale, nonfinite, fp8_max, margin)
     length, slots = history.shape
     if not use_triton(history) or length > MAX_KERNEL_HISTORY or not history.is_contiguous():
         return update_scales_reference(history, scale, nonfinite, fp8_max=fp8_max, margin=margin, use_max=use_max)
@@ -97,7 +99,7 @@ def update_scales(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.T
 def update_scales_reference(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.Tensor, *,
                             fp8_max: float, margin: int, use_max: bool):
     """``update_scales`` in PyTorch operations (CPU without Triton, very long histories, tests)."""
-    _check(history, scale, nonfinite)
+    _check(history, scale, nonfinite, fp8_max, margin)
     newest = history[0]
     finite = torch.isfinite(newest)
     nonfinite += (~finite).to(torch.int64)
@@ -112,7 +114,8 @@ def update_scales_reference(history: torch.Tensor, scale: torch.Tensor, nonfinit
     return history, new_scale, new_scale_inv
 
 
-def _check(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.Tensor) -> None:
+def _check(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.Tensor, fp8_max: object,
+           margin: object) -> None:
     if not isinstance(history, torch.Tensor) or history.dim() != 2 or history.dtype != torch.float32 \
             or history.shape[0] < 1:
         raise ValueError(f"`history` must be a float32 (length >= 1, slots) tensor; got "
@@ -126,6 +129,9 @@ def _check(history: torch.Tensor, scale: torch.Tensor, nonfinite: torch.Tensor) 
     for name, t in (("scale", scale), ("nonfinite", nonfinite)):
         if t.device != history.device:
             raise ValueError(f"`{name}` is on {t.device} but `history` is on {history.device}")
+    if isinstance(fp8_max, bool) or not isinstance(fp8_max, (int, float)) or not 0 < fp8_max < math.inf:
+        raise ValueError(f"`fp8_max` must be a positive finite number (the FP8 format's largest value); got {fp8_max!r}")
+    check_margin(margin)
 
 
 def _describe(t: object) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 
 import pytest
 import torch
@@ -705,3 +706,204 @@ def test_bias_act_returns_y_in_hs_dtype_and_checks_pre_act_outs_device(monkeypat
         assert y.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"`pre_act_out` is on meta but `h` is on"):
         bias_act(h, None, "relu", pre_act_out=torch.empty(6, 32, device="meta"))
+
+
+# -- review: argument names, references, devices ----------------------------------------------
+
+
+def test_quantize_errors_name_x_and_only_what_quantize_accepts():
+    # quantize and quantize_current_scaling take `x`, not `grad`, and refuse fp8_dtype=None
+    one = torch.ones((), device=DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(TypeError, match=r"^`x` must have dtype .*; got torch.int32$"):
+        quantize(x.to(torch.int32), scale=one, fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"^`x` must have at least one dimension"):
+        quantize(x[0, 0], scale=one, fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"^`x` must be a torch.Tensor; got list$"):
+        quantize_current_scaling([1.0], fp8_dtype=torch.float8_e5m2)
+    with pytest.raises(TypeError, match=r"^`x` must have dtype .*; got torch.float64$"):
+        quantize_current_scaling(x.double(), fp8_dtype=torch.float8_e5m2)
+    for call in (lambda: quantize(x, scale=one, fp8_dtype=torch.float16),
+                 lambda: quantize_current_scaling(x, fp8_dtype=torch.float16)):
+        with pytest.raises(ValueError, match=r"`fp8_dtype` must be one of .*got torch.float16") as info:
+            call()
+        assert "None" not in str(info.value)  # None is refused here: the message must not offer it
+    with pytest.raises(TypeError, match=r"^`grad` must have dtype"):  # dbias_quantize's argument is `grad`
+        dbias_quantize(x.to(torch.int32))
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])  # on CPU: the kernels under the interpreter, the torch references
+def test_a_one_element_scale_of_any_shape_gives_the_0d_scales_results(monkeypatch, interpret):
+    # Validation accepts any float32 tensor with one element; the result must not depend on its shape
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    grad, pre = _inputs((2, 9), 24, torch.bfloat16, seed=11)
+    zero_d = torch.tensor(8.0, device=DEVICE)
+    for scale in (torch.full((1, 1, 1), 8.0, device=DEVICE), torch.full((1, 1), 8.0, device=DEVICE)):
+        expected = dact_dbias_quantize(grad, pre, "silu", scale=zero_d, fp8_dtype=torch.float8_e4m3fn, transpose=True)
+        got = dact_dbias_quantize(grad, pre, "silu", scale=scale, fp8_dtype=torch.float8_e4m3fn, transpose=True)
+        assert got[0].shape == grad.shape and got[1].shape == (24, 18)
+        assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+        assert torch.equal(got[1].view(torch.uint8), got[0].reshape(18, 24).view(torch.uint8).t())
+        assert_fp8_close(got[0].cpu(), quantize_reference(_reference(grad, pre, "silu").cpu(), 8.0,
+                                                          torch.float8_e4m3fn))
+        q, q_t = quantize(grad, scale=scale, fp8_dtype=torch.float8_e5m2, transpose=True)
+        assert q.shape == grad.shape and torch.equal(q_t.view(torch.uint8), q.reshape(18, 24).view(torch.uint8).t())
+        assert torch.equal(q.view(torch.uint8).cpu(),
+                           quantize_reference(grad.double().cpu(), 8.0, torch.float8_e5m2).view(torch.uint8))
+        y, yq, yq_t = bias_act(grad, None, "relu", scale=scale, fp8_dtype=torch.float8_e4m3fn, transpose=True)
+        assert yq.shape == grad.shape and torch.equal(yq_t.view(torch.uint8), yq.reshape(18, 24).view(torch.uint8).t())
+        assert torch.equal(yq.view(torch.uint8).cpu(),
+                           quantize_reference(y.double().cpu(), 8.0, torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_outputs_are_row_major_whatever_the_inputs_layout(monkeypatch, interpret):
+    # The FP8 copies are GEMM operands (row-major dx, and dx_t its transpose) and `dx` is viewed as
+    # [M, N] rows downstream: every path returns contiguous outputs, for column-major inputs too.
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    grad_t, pre_t = _inputs((24,), 40, torch.float32, seed=12)
+    grad, pre = grad_t.t(), pre_t.t()  # (40, 24), column-major
+    dx64 = _reference(grad, pre, "gelu")
+    scale = torch.tensor(4.0, device=DEVICE)
+    dx, _, dbias = dact_dbias_quantize(grad, pre, "gelu")
+    assert dx.is_contiguous()
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-5)
+    _check_dbias(dbias.cpu(), dx64.cpu())
+    dq, dq_t, _ = dact_dbias_quantize(grad, pre, "gelu", scale=scale, fp8_dtype=torch.float8_e5m2, transpose=True)
+    assert dq.is_contiguous() and dq_t.is_contiguous()
+    assert_fp8_close(dq.cpu(), quantize_reference(dx64.cpu(), 4.0, torch.float8_e5m2))
+    plain, _, _ = dbias_quantize(grad)
+    assert plain.is_contiguous() and torch.equal(plain, grad)
+    q, _ = quantize(grad, scale=scale, fp8_dtype=torch.float8_e4m3fn)
+    assert q.is_contiguous()
+    assert torch.equal(q.view(torch.uint8).cpu(), quantize_reference(grad.cpu(), 4.0, torch.float8_e4m3fn).view(torch.uint8))
+    cq = dact_dbias_quantize_current_scaling(grad, pre, "gelu", fp8_dtype=torch.float8_e4m3fn)[0]
+    assert cq.is_contiguous()
+    y, yq, _ = bias_act(grad, None, "gelu", scale=scale, fp8_dtype=torch.float8_e4m3fn)
+    assert y.is_contiguous() and yq.is_contiguous()
+    torch.testing.assert_close(y.double(), activation_reference(grad.double(), "gelu"), rtol=1e-5, atol=1e-5)
+
+
+def test_meta_tensors_are_not_sent_to_the_triton_interpreter(monkeypatch):
+    # The interpreter runs CPU tensors; a meta tensor (shape inference, e.g. Lightning's measure_flops on a
+    # model built on the meta device) has no data to copy: it takes the torch references, as without it.
+    from lightning_fuse.kernels import update_scales, use_triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    meta = torch.empty(3, 37, 40, device="meta", dtype=torch.bfloat16)
+    assert not use_triton(meta)
+    scale, amax = torch.ones((), device="meta"), torch.zeros(1, device="meta")
+    dx, dx_t, dbias = dact_dbias_quantize(meta, meta, "gelu", scale=scale, fp8_dtype=torch.float8_e5m2, amax=amax,
+                                          transpose=True)
+    assert (dx.shape, dx.dtype, dx_t.shape, dbias.shape, dbias.dtype) == (
+        meta.shape, torch.float8_e5m2, (40, 111), (40,), torch.float32)
+    assert dx.is_meta and dx_t.is_meta and dbias.is_meta
+    q, q_t, current_amax, current_scale = quantize_current_scaling(meta, fp8_dtype=torch.float8_e4m3fn, transpose=True)
+    assert (q.shape, q.dtype, q_t.shape, current_amax.shape, current_scale.shape) == (
+        meta.shape, torch.float8_e4m3fn, (40, 111), (1,), ())
+    y, yq, _ = bias_act(meta, torch.empty(40, device="meta"), "gelu_tanh", scale=scale, fp8_dtype=torch.float8_e4m3fn)
+    assert (y.shape, y.dtype, yq.dtype) == (meta.shape, torch.bfloat16, torch.float8_e4m3fn) and y.is_meta
+    history = torch.zeros(4, 3, device="meta")
+    _, new_scale, _ = update_scales(history, torch.ones(3, device="meta"), torch.zeros(3, dtype=torch.int64, device="meta"),
+                                    fp8_max=448.0, margin=0, use_max=True)
+    assert new_scale.shape == (3,) and new_scale.is_meta
+
+
+@pytest.mark.parametrize("margin", [None, 1.5, "1", True])
+def test_current_scaling_refuses_a_margin_that_is_not_an_int(margin):
+    grad, pre = _good()
+    with pytest.raises(ValueError, match=rf"`margin` must be an int .*; got {re.escape(repr(margin))}$"):
+        quantize_current_scaling(grad, fp8_dtype=torch.float8_e4m3fn, margin=margin)
+    with pytest.raises(ValueError, match=r"`margin` must be an int"):
+        dact_dbias_quantize_current_scaling(grad, pre, "gelu", fp8_dtype=torch.float8_e5m2, margin=margin)
+
+
+def test_dact_dbias_quantize_raises_what_its_docstring_says():
+    # Each documented exception, with the phrase its docstring gives it under that exception's name
+    doc = dact_dbias_quantize.__doc__.split("Raises:")[1]
+    raises = dict(re.findall(r"^\s*(\w+Error): (.*)$", doc, flags=re.M))
+    grad, pre = _good()
+    one = torch.ones((), device=DEVICE)
+    cases = [
+        ("non-tensor", lambda: dact_dbias_quantize(grad, [1.0], "gelu")),
+        ("non-float", lambda: dact_dbias_quantize(grad.to(torch.int32), pre, "gelu")),
+        ("mismatched shapes", lambda: dact_dbias_quantize(grad, pre[:, :3], "gelu")),
+        ("unknown activation", lambda: dact_dbias_quantize(grad, pre, "gelu_fast")),
+        ("FP8 dtype", lambda: dact_dbias_quantize(grad, pre, "gelu", scale=one, fp8_dtype=torch.float16)),
+        ("missing scale", lambda: dact_dbias_quantize(grad, pre, "gelu", fp8_dtype=torch.float8_e5m2)),
+    ]
+    for phrase, call in cases:
+        with pytest.raises((TypeError, ValueError)) as info:
+            call()
+        documented = raises.get(type(info.value).__name__, "")
+        assert phrase in documented, (phrase, type(info.value).__name__, raises)
+
+
+def _op_variants():
+    """Every argument pattern the launchers give the registered ops: with and without the FP8 copy, its
+    transpose, the bias gradient, the activation, the pre-activation output."""
+    g, p = _inputs((40,), 48, torch.float32, seed=13)
+    bias, scale = torch.randn(48, device=DEVICE), torch.tensor(4.0, device=DEVICE)
+    amax = lambda: torch.zeros(1, device=DEVICE)  # noqa: E731
+    cfg = (16, 32, 1, 2, 0, True)  # block_m, block_n, num_warps, groups, loop_stages, prefetch
+    dq = torch.ops.lightning_fuse.dact_dbias_quantize.default
+    cs = torch.ops.lightning_fuse.quantize_current_scaling.default
+    ba = torch.ops.lightning_fuse.bias_act.default
+    return [
+        ("dq-fp8-t", dq, (g, p, 2, scale, 2, amax(), True, True, *cfg, True, torch.float32)),
+        ("dq-high-precision", dq, (g, p, 1, None, 0, None, False, True, *cfg, True, torch.bfloat16)),
+        ("dq-cast", dq, (g, None, 0, scale, 1, amax(), False, False, *cfg, True, torch.float32)),
+        ("cs", cs, (g, p, 1, 2, amax(), True, 57344.0, 1, True, True, torch.float32)),
+        ("cs-cast", cs, (g, None, 0, 1, amax(), False, 448.0, 0, False, True, torch.float32)),
+        ("ba-fp8-t", ba, (g, bias, 2, torch.float32, scale, 1, amax(), True, torch.empty_like(g), True)),
+        ("ba-fp8", ba, (g, bias, 2, torch.float32, scale, 2, None, False, None, True)),
+        ("ba-high-precision", ba, (g, bias, 3, torch.float32, None, 0, None, False, None, True)),
+        ("ba-bias-only", ba, (g, bias, 0, torch.bfloat16, None, 0, None, False, torch.empty_like(g), True)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_registered_ops_meet_the_custom_op_contract(index):
+    # torch.compile and torch.export see these ops; PyTorch checks what each returns (no output may be
+    # an input or alias another output) and that it declares what it mutates. (The fake-tensor check
+    # needs wrap_triton to trace the kernels, which it does not under the interpreter.)
+    name, op, args = _op_variants()[index]
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration"))
+    outputs = op(*args)
+    first = outputs[0]
+    if name.startswith("ba"):
+        h, bias, act = args[0].double(), args[1].double(), args[2]
+        expected = h + bias if act == 0 else activation_reference(h + bias, ACTIVATIONS[act - 1])
+        tol = 1e-5 if args[3] == torch.float32 else 1.6e-2  # (the interpreter truncates bf16 stores)
+        assert first.dtype == args[3]
+        torch.testing.assert_close(first.double(), expected, rtol=tol, atol=tol)
+    elif name != "dq-cast" and name != "cs-cast":
+        tol = 1e-4 if args[-1] == torch.float32 else 8e-3  # the bias gradient in fp32, or rounded to bf16
+        torch.testing.assert_close(_reference(args[0], args[1], ACTIVATIONS[args[2] - 1]).sum(0),
+                                   outputs[2].double(), rtol=tol, atol=tol)
+    pointers = [t.untyped_storage().data_ptr() for t in outputs if t.numel()]
+    assert len(set(pointers)) == len(pointers)
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_outputs_and_amax_carry_no_autograd_history(monkeypatch, interpret):
+    # The kernels are not differentiable: whatever the path, inputs that require grad (a weight, an
+    # activation saved for backward) give plain outputs, and the caller's amax buffer (a view of the
+    # recipe's history) never joins an autograd graph.
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    w = torch.nn.Parameter(torch.randn(16, 32, device=DEVICE))
+    scale = torch.tensor(2.0, device=DEVICE)
+    history = torch.zeros(4, 3, device=DEVICE)
+    amax = history[0, 1:2]
+    q, q_t = quantize(w, scale=scale, fp8_dtype=torch.float8_e4m3fn, amax=amax, transpose=True)
+    dx, _, dbias = dact_dbias_quantize(w, w, "gelu", scale=scale, fp8_dtype=torch.float8_e5m2, amax=amax)
+    y, yq, _ = bias_act(w, torch.randn(32, device=DEVICE, requires_grad=True), "silu", scale=scale,
+                        fp8_dtype=torch.float8_e4m3fn, amax=amax)
+    pre = torch.empty(16, 32, device=DEVICE)
+    bias_act(w, torch.zeros(32, device=DEVICE), "relu", pre_act_out=pre)
+    current = dact_dbias_quantize_current_scaling(w, w, "silu", fp8_dtype=torch.float8_e5m2)
+    for t in (q, q_t, dx, dbias, y, yq, pre, history, *(t for t in current if t is not None)):
+        assert not t.requires_grad and t.grad_fn is None
+    expected = max(w.detach().abs().max().item(), _reference(w.detach(), w.detach(), "gelu").abs().max().item())
+    assert history[0, 1].item() >= expected * (1 - 1e-6) and history.count_nonzero().item() == 1
+    assert torch.equal(pre, w.detach())

@@ -96,3 +96,20 @@ def test_bad_arguments_are_refused_naming_what_was_given(history, scale, nonfini
     for update in (update_scales, update_scales_reference):
         with pytest.raises(ValueError, match=match):
             update(history.to(DEVICE), scale.to(DEVICE), nonfinite.to(DEVICE), fp8_max=448.0, margin=0, use_max=True)
+
+
+@pytest.mark.parametrize("fp8_max, margin, match", [
+    (448.0, None, r"`margin` must be an int .*; got None$"),
+    (448.0, 1.5, r"`margin` must be an int .*; got 1.5$"),
+    (None, 0, r"`fp8_max` must be a positive finite number .*; got None$"),
+    (-448.0, 0, r"`fp8_max` must be a positive finite number .*; got -448.0$"),
+    (float("inf"), 0, r"`fp8_max` must be a positive finite number .*; got inf$"),
+])
+def test_bad_fp8_max_or_margin_is_refused_before_anything_changes(fp8_max, margin, match):
+    history, scale, nonfinite = _group(3, 4, seed=2)
+    before = history.clone(), nonfinite.clone()
+    for update in (update_scales, update_scales_reference):
+        with pytest.raises(ValueError, match=match):
+            update(history, scale, nonfinite, fp8_max=fp8_max, margin=margin, use_max=True)
+        # refused, not half-applied (bit for bit: the history holds a NaN)
+        assert torch.equal(history.view(torch.int32), before[0].view(torch.int32)) and torch.equal(nonfinite, before[1])

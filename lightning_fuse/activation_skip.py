@@ -55,11 +55,34 @@ class _SkipFusedActivations(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.pending and args:
-            for i, (out, expected, _) in enumerate(self.pending):
+            for i, (out, expected, module) in enumerate(self.pending):
                 if func is expected and args[0] is out:
+                    _check_same_activation(module, func, args, kwargs or {})
                     del self.pending[i]
                     return out  # the fused linear applied it already
         return func(*args, **(kwargs or {}))
+
+
+_GELU_NAMES = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def _check_same_activation(module: nn.Module, func: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Raises where this call computes another activation than the one fused into ``module``: ``F.gelu``'s
+    ``approximate`` may come from an attribute read when the forward was traced and changed since."""
+    if func is not F.gelu:
+        return
+    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    name = _GELU_NAMES.get(approximate) if isinstance(approximate, str) else None
+    if name != module.activation:
+        raise RuntimeError(
+            f"lightning_fuse: `{_path_of(module)}` was fused with {module.activation}, but F.gelu is called on its "
+            f"output with approximate={approximate!r} ({name or 'not a known GELU'}): the forward computes another "
+            "activation than when it was traced. Fuse the model again (unfuse_ then fuse_) after changing it")
+
+
+def _path_of(module: nn.Module) -> str:
+    fqn = getattr(module, "_fqn", None)  # the fused modules' name in their model
+    return fqn() if callable(fqn) else type(module).__name__
 
 
 def parent_running() -> bool:

@@ -21,7 +21,8 @@ A chain is a linear whose output has exactly one user, an activation: an activat
 (``nn.GELU``, ``nn.ReLU``, ``nn.SiLU``, transformers' activation classes), a functional call
 (``F.gelu(x, approximate=...)``, ``F.relu``, ``torch.relu``, ``F.silu``) or ``x.relu()``. Near
 misses (a Dropout in between, the linear's output used twice, an activation module or a linear
-called at two places, extra arguments, a forward that depends on ``self.training``) are returned
+called at two places, extra arguments, a forward that depends on ``self.training``, a linear or
+activation module that another module's forward also calls directly, past its parent) are returned
 with the reason they cannot be fused; a forward that cannot be traced is returned as skipped.
 Nothing here changes the model (attributes a trace sets on it are taken off again).
 """
@@ -142,14 +143,31 @@ def _leaf_children(module: nn.Module) -> dict[str, nn.Module]:
 
 
 class _ChildLeafTracer(fx.Tracer):
-    """Records calls of the given modules as ``call_module`` nodes and traces through everything else."""
+    """Records calls of the given modules as ``call_module`` nodes and traces through everything else.
+
+    ``direct`` collects the other modules the traced forward itself calls (a grandchild called past its
+    parent, ``self.block.fc(x)``); calls made inside such a module's own forward are not its business.
+    """
 
     def __init__(self, leaves: set[int]) -> None:
         super().__init__()
         self._leaves = leaves
+        self._depth = 0
+        self.direct: set[int] = set()
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return id(m) in self._leaves
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if id(m) in self._leaves:
+            return super().call_module(m, forward, args, kwargs)
+        if not self._depth:
+            self.direct.add(id(m))
+        self._depth += 1
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        finally:
+            self._depth -= 1
 
 
 @dataclass(frozen=True)
@@ -340,14 +358,19 @@ def _chains_in_sequential(seq: nn.Sequential, parent: str) -> list[Chain]:
 
 
 def _trace(module: nn.Module, leaves: dict[str, nn.Module], training: bool,
-           concrete_args: Optional[dict[str, Any]] = None) -> fx.Graph:
+           concrete_args: Optional[dict[str, Any]] = None, direct: Optional[set[int]] = None) -> fx.Graph:
     """``module``'s forward traced in the given mode, leaving the model as it was: tracing stores tensor
-    constants on the module (``_tensor_constant0``), and a forward that sets attributes leaves proxies."""
+    constants on the module (``_tensor_constant0``), and a forward that sets attributes leaves proxies.
+    ``direct`` receives the ids of the modules other than ``leaves`` that the forward itself calls."""
     saved = [(m, dict(m.__dict__)) for m in module.modules()]
     was_training = module.training
     module.training = training
+    tracer = _ChildLeafTracer({id(child) for child in leaves.values()})
     try:
-        return _ChildLeafTracer({id(child) for child in leaves.values()}).trace(module, concrete_args)
+        graph = tracer.trace(module, concrete_args)
+        if direct is not None:
+            direct.update(tracer.direct)
+        return graph
     finally:
         for m, attributes in saved:
             m.__dict__.clear()
@@ -445,12 +468,17 @@ def find_chains(model: nn.Module) -> ChainSearch:
     # the parent's graph is. -> "" or, where the parent also calls the whole Sequential, why its
     # chains cannot be fused.
     itemwise: dict[str, str] = {}
+    # id of a module -> fqn of a module whose forward calls it past its parent (``self.block.fc(x)``)
+    direct: dict[int, str] = {}
+    read: set[str] = set()  # the modules whose forward was looked at (traced, or found untraceable)
     for parent, module in model.named_modules():
         if isinstance(module, _CONTAINERS) or getattr(type(module), "forward", None) is nn.Module.forward:
             continue  # no forward of its own: whoever calls its children is traced instead
         leaves = _leaf_children(module)
         if not any(is_linear_like(child) for child in leaves.values()):
             continue
+        read.add(parent)
+        calls_here: set[int] = set()
         if type(module) is nn.Sequential or (isinstance(module, nn.Sequential)
                                              and type(module).forward is nn.Sequential.forward):
             chains = _chains_in_sequential(module, parent)
@@ -465,7 +493,7 @@ def find_chains(model: nn.Module) -> ChainSearch:
                    "is not what runs")
         else:
             try:
-                graph = _trace(module, leaves, module.training)
+                graph = _trace(module, leaves, module.training, direct=calls_here)
                 why = ""
             except Exception as err:  # any user forward may fail to trace; it is reported, never raised
                 why = f"its forward cannot be traced by torch.fx ({_short(err)})"
@@ -478,6 +506,8 @@ def find_chains(model: nn.Module) -> ChainSearch:
                         f"its parent `{parent or type(module).__name__}` was not read ({why.partition(' (')[0]}) "
                         "and does not only call it whole, so the order its items run in is unknown")
             continue
+        for called_id in calls_here:
+            direct.setdefault(called_id, parent)
         called = Counter(str(node.target) for node in graph.nodes if node.op == "call_module")
         for path, child in leaves.items():
             if isinstance(child, nn.Sequential) and any(t.startswith(path + ".") for t in called):
@@ -498,4 +528,46 @@ def find_chains(model: nn.Module) -> ChainSearch:
         if any(not chain.reason for chain in chains):
             chains = _refused_by_variants(module, leaves, parent, chains)
         search.chains.extend(chains)
+    search.chains = _refused_for_direct_calls(model, search.chains, direct, read)
     return search
+
+
+def _refused_for_direct_calls(model: nn.Module, chains: list[Chain], direct: dict[int, str],
+                              read: set[str]) -> list[Chain]:
+    """``chains`` with those refused whose linear or activation module another forward calls directly
+    (``self.block.fc(x)`` in an ancestor of ``block``): fused, that call would get the activation too,
+    or lose it. Ancestors not traced yet (no linear child of their own) are traced here."""
+    if not any(not chain.reason for chain in chains):
+        return chains
+    ancestors: set[str] = set()
+    for chain in chains:
+        if not chain.reason:
+            parts = chain.linear.split(".")
+            ancestors.update(".".join(parts[:i]) for i in range(len(parts) - 1))
+    for name, module in model.named_modules():
+        if name not in ancestors or name in read or isinstance(module, _CONTAINERS) \
+                or type(module).forward in (nn.Module.forward, nn.Sequential.forward) or "forward" in module.__dict__:
+            continue
+        calls_here: set[int] = set()
+        try:
+            _trace(module, _leaf_children(module), module.training, direct=calls_here)
+        except Exception:  # not readable: nothing known about its calls
+            continue
+        for called_id in calls_here:
+            direct.setdefault(called_id, name)
+
+    def caller(name: str) -> str:
+        return f"`{name}`'s forward" if name else "the model's forward"
+
+    checked = []
+    for chain in chains:
+        linear = id(model.get_submodule(chain.linear))
+        act = id(model.get_submodule(chain.act_module)) if chain.act_module is not None else None
+        if not chain.reason and linear in direct:
+            chain = _refused(chain, f"`{chain.linear}` is also called directly by {caller(direct[linear])}, not only "
+                                    "where the activation follows it: fused, that call would get the activation too")
+        elif not chain.reason and act is not None and act in direct:
+            chain = _refused(chain, f"the activation module `{chain.act_module}` is also called directly by "
+                                    f"{caller(direct[act])}; replacing it would change that call")
+        checked.append(chain)
+    return checked

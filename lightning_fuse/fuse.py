@@ -13,7 +13,8 @@ What a swap does:
   ``convert="all"`` every other eligible linear, becomes ``FP8Linear``.
 
 Never swapped, and reported with the reason: linears whose weight or bias is shared with another
-module (tied weights), modules registered at two places, ``nn.MultiheadAttention``'s ``out_proj``
+module (tied weights), modules registered at two places, chains whose linear or activation module
+another module's forward also calls directly (``self.block.fc(x)``), ``nn.MultiheadAttention``'s ``out_proj``
 (which the attention never calls), linears with hooks, ``nn.Linear``
 subclasses with their own ``forward``, parametrized or lazy weights, names matched by
 ``FuseConfig.exclude`` and modules ``module_filter_fn`` rejects. ``state_dict`` keys and values do

@@ -465,11 +465,13 @@ class FP8LinearBase(nn.Module):
         recipe = plan.recipe
         delayed = isinstance(recipe, DelayedScaling)
         compiling = torch.compiler.is_compiling()
-        # Copies made under inference mode are inference tensors, which training cannot save for backward.
-        key = (weight._version, weight.data_ptr(), weight.dtype, type(recipe), recipe.margin, plan.state.steps,
-               plan.state.generation if delayed else None, not compiling and torch.is_inference_mode_enabled())
-        if not compiling and self._weight_cache is not None and self._weight_cache[0] == key:
-            return self._weight_cache[1]
+        key = None
+        if not compiling:  # (a traced graph makes its copy each call: reading _version there breaks the trace)
+            # Copies made under inference mode are inference tensors, which training cannot save for backward.
+            key = (weight._version, weight.data_ptr(), weight.dtype, type(recipe), recipe.margin, plan.state.steps,
+                   plan.state.generation if delayed else None, torch.is_inference_mode_enabled())
+            if self._weight_cache is not None and self._weight_cache[0] == key:
+                return self._weight_cache[1]
         with torch.no_grad():
             if delayed:
                 scale, scale_inv, amax = plan.state.slot("forward", 2 * self.fp8_index + 1)
@@ -483,7 +485,12 @@ class FP8LinearBase(nn.Module):
             self.__dict__["_weight_cache"] = (key, value)  # a cache: skip nn.Module.__setattr__'s bookkeeping
         return value
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: Optional[torch.Tensor] = None, *, x: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # Named as the originals name it: nn.Linear.forward(input), HF Conv1D.forward(x), so keyword calls still work.
+        if (input is None) == (x is None):
+            raise TypeError(f"{type(self).__name__}.forward() takes one input tensor, as `input` (nn.Linear's name) or "
+                            f"`x` (Conv1D's); got {'both' if input is not None else 'neither'}")
+        x = input if x is None else x
         if not parent_running():
             return self._forward(x)
         with suspended():

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from lightning_fuse.kernels import aligned_scales, update_scales
 
-from .recipe import DelayedScaling
+from .recipe import DelayedScaling, make_recipe
 
 __all__ = ["FP8ScalingState"]
 
@@ -96,7 +96,8 @@ class FP8ScalingState:
     def register(self, name: str) -> int:
         """Adds a module (by its fully qualified name) and returns its index."""
         if self.groups:
-            raise RuntimeError("modules must be registered before the first FP8 step allocates the state")
+            raise RuntimeError(f"cannot register {name!r}: modules must be registered before the first FP8 step, "
+                               f"and this state was already allocated for {self.names}")
         self.names.append(name)
         return len(self.names) - 1
 
@@ -139,8 +140,16 @@ class FP8ScalingState:
 
     @_outside_inference_mode
     @torch.no_grad()
-    def update(self, recipe: DelayedScaling, groups: Iterable[str] = _GROUPS) -> None:
-        """Turns the newest amaxes of ``groups`` into scales and rolls the histories (module docstring)."""
+    def update(self, recipe: Any, groups: Iterable[str] = _GROUPS) -> None:
+        """Turns the newest amaxes of ``groups`` into scales and rolls the histories (module docstring).
+
+        ``recipe``: a ``DelayedScaling``, or what ``make_recipe`` makes one from (``"delayed"``, a mapping).
+        """
+        if not isinstance(recipe, DelayedScaling):
+            recipe = make_recipe(recipe)
+            if not isinstance(recipe, DelayedScaling):
+                raise TypeError(f"`recipe` must be a DelayedScaling (only delayed scaling keeps histories to update); "
+                                f"got {type(recipe).__name__}")
         groups = [g for g in groups if g in self.groups]
         if not groups:
             return
@@ -203,6 +212,10 @@ class FP8ScalingState:
                 "fuse the same model with the same FuseConfig before loading"
             )
         if "forward.history" not in state:
+            # Saved before the first FP8 step: back to that, so the next step allocates fresh histories and scales.
+            self.groups = {}
+            self._pending = None
+            self.generation += 1
             return
         if self.groups:
             self._apply_loaded(state)

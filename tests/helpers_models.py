@@ -480,3 +480,54 @@ class ModuleListWithActivation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers[1](self.act(self.layers[0](x)))
+
+
+# -- a chain's linear or activation called directly by another module's forward -----------------------
+
+
+class InnerChain(nn.Module):
+    """``fc -> act``: a chain in this forward."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+class CallsInnerLinear(nn.Module):
+    """Calls ``inner`` whole, and ``inner.fc`` directly (its raw output, no activation)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.inner = InnerChain(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.inner.fc(x)
+
+
+class CallsInnerActivation(nn.Module):
+    """Calls ``inner`` whole, and ``inner.act`` directly on another tensor."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.inner = InnerChain(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.inner.act(x)
+
+
+class CallsNestedModuleWhole(nn.Module):
+    """Calls a grandchild module whole (``wrap.inner``): its chain is what that module computes."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.wrap = nn.Module()
+        self.wrap.inner = InnerChain(d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.wrap.inner(x))
+

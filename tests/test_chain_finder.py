@@ -10,6 +10,9 @@ from torch import nn
 from helpers_models import (
     ActivationExtraArgs,
     Block,
+    CallsInnerActivation,
+    CallsInnerLinear,
+    CallsNestedModuleWhole,
     DropoutBetween,
     FunctionalZoo,
     GeluFromTensorArg,
@@ -171,3 +174,22 @@ def test_class_named_like_transformers_is_not_trusted():
             return x
 
     assert activation_of_module(GELUActivation()) is None
+
+
+# -- a chain's linear or activation called directly by another module's forward -----------------------
+
+
+@pytest.mark.parametrize("make, why", [
+    (CallsInnerLinear, "`inner.fc` is also called directly by the model's forward"),
+    (CallsInnerActivation, "the activation module `inner.act` is also called directly by the model's forward"),
+])
+def test_a_chain_whose_linear_or_activation_another_forward_calls_directly_is_refused(make, why):
+    # Fused, `inner.fc` would apply the activation at the other call too, and `inner.act` would be an
+    # Identity there: the other forward does not call them as `inner`'s forward does.
+    (chain,) = find_chains(make()).chains
+    assert chain.linear == "inner.fc" and why in chain.reason and chain.consumer is None
+
+
+def test_a_grandchild_called_whole_keeps_its_chain():
+    (chain,) = find_chains(CallsNestedModuleWhole()).chains
+    assert (chain.linear, chain.reason) == ("wrap.inner.fc", "")

@@ -16,8 +16,12 @@ from fp8_checks import sqnr_db
 from helpers_models import (
     AliasedActivation,
     Block,
+    CallsInnerActivation,
+    CallsInnerLinear,
+    CallsNestedModuleWhole,
     CallsSequentialWhole,
     ConstantScaleMLP,
+    Conv1D,
     DropoutBetween,
     FunctionalZoo,
     GatedMLP,
@@ -692,3 +696,55 @@ def test_a_fused_model_compiles_without_a_graph_break(make, monkeypatch):
     y = compiled(x)
     y.sum().backward()
     torch.testing.assert_close(y, reference(x))
+
+
+def test_a_chain_whose_linear_or_activation_another_forward_calls_directly_is_left_alone():
+    for make in (CallsInnerLinear, CallsInnerActivation):
+        model, reference = fused_and_reference(make)
+        with pytest.warns(UserWarning, match="no fusable"):
+            report = fuse_(model)
+        assert not report.chains[0].fused and "also called directly" in report.chains[0].reason
+        assert type(model.inner.fc) is nn.Linear and type(model.inner.act) is nn.GELU
+        assert_same_outputs_and_grads(model, reference, _x())
+    model, reference = fused_and_reference(CallsNestedModuleWhole)
+    assert fuse_(model).num_fused == 1 and isinstance(model.wrap.inner.fc, FusedLinearBiasActivation)
+    assert_same_outputs_and_grads(model, reference, _x())
+
+
+def test_a_functional_activation_called_with_other_arguments_than_traced_raises():
+    # fc was fused with F.gelu's tanh approximation, read from self.approximate when traced: a call with
+    # another approximation must not silently get the traced one.
+    model, reference = fused_and_reference(LitGPTMLP)
+    assert fuse_(model).num_fused == 1 and model.fc.activation == "gelu_tanh"
+    x = _x()
+    torch.testing.assert_close(model(x), reference(x))
+    model.approximate = "none"
+    with pytest.raises(RuntimeError, match=r"`fc` was fused with gelu_tanh, but F.gelu is called on its output with "
+                                           r"approximate='none' \(gelu\)"):
+        model(x)
+    model.approximate = "tanh"  # back to what was traced
+    torch.testing.assert_close(model(x), reference(x))
+
+
+class _KeywordCalls(nn.Module):
+    """Calls its linears with their input by keyword: ``input=`` as nn.Linear.forward names it, ``x=`` as
+    HF's Conv1D.forward does."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+        self.conv = Conv1D(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x=self.proj(input=F.gelu(self.fc(input=x))))
+
+
+def test_swapped_linears_take_their_input_by_keyword_as_the_originals_did():
+    model, reference = fused_and_reference(_KeywordCalls)
+    report = fuse_(model, FuseConfig(convert="all"))
+    assert report.num_fused == 1 and report.num_fp8_linears == 2
+    assert isinstance(model.fc, FusedLinearBiasActivation) and isinstance(model.conv, FP8Linear)
+    assert_same_outputs_and_grads(model, reference, _x())
+    with pytest.raises(TypeError):
+        model.fc(_x(), _x())  # still one input

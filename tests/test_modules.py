@@ -308,6 +308,43 @@ def test_state_dict_round_trip():
         other.load_state_dict(saved)
 
 
+def test_loading_a_state_saved_before_any_fp8_step_resets_the_scales():
+    # A checkpoint taken before the first FP8 step holds no histories: loading it (a rollback to that
+    # checkpoint) must give the state a fresh model has, not keep the scales learnt since.
+    module, state = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True), "fc")
+    fresh_module, fresh = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True), "fc")
+    fresh_module.load_state_dict(module.state_dict())
+    saved = state.state_dict()
+    assert "forward.history" not in saved
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(16, 16) * 5
+    for _ in range(2):
+        _step(module, x, recipe)
+    assert state.groups["forward"].scale[0].item() != 1.0
+    state.load_state_dict(saved)
+    module.weight.grad = fresh_module.weight.grad = None
+    with fp8_autocast(recipe, update_scales=False):
+        y, y_fresh = module(x), fresh_module(x)
+    assert torch.equal(y, y_fresh)  # quantized with the initial scales, as the fresh model does
+    for group in ("forward", "backward"):
+        for key, value in fresh.groups[group].tensors().items():
+            assert torch.equal(state.groups[group].tensors()[key], value), (group, key)
+
+
+def test_scaling_state_misuse_names_what_was_given():
+    module, state = _bound(FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True), "fc")
+    _step(module, torch.randn(16, 16), DelayedScaling(amax_history_len=2))
+    with pytest.raises(RuntimeError, match=r"cannot register 'proj': .*allocated for \['fc'\]"):
+        FP8Linear(nn.Linear(32, 16), emulate=True).bind_fp8_state(state, "proj")
+    with pytest.raises(TypeError, match=r"`recipe` must be a DelayedScaling .*; got CurrentScaling"):
+        state.update(CurrentScaling())
+    x = torch.randn(16, 16) * 1000
+    with fp8_autocast(DelayedScaling(amax_history_len=2), update_scales=False):
+        module(x)
+    state.update("delayed")  # a recipe's name, as fp8_autocast takes it
+    assert state.groups["forward"].scale[0].item() == pytest.approx(448 / x.abs().max().item(), rel=1e-6)
+
+
 def test_recipes_validate_their_fields():
     with pytest.raises(ValueError, match="`fp8_format` must be one of hybrid, e4m3; got 'e5m2'"):
         DelayedScaling(fp8_format="e5m2")
@@ -449,3 +486,31 @@ def test_float64_runs_pytorchs_own_ops_with_one_warning():
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(dx, dx_ref)
     assert torch.autograd.gradcheck(module, (torch.randn(3, 32, dtype=torch.float64, requires_grad=True),))
+
+
+@pytest.mark.parametrize("kind", ["fused", "plain"])
+def test_a_compiled_fp8_module_trains_like_the_eager_one(kind, monkeypatch):
+    # Under torch.compile the FP8 weight copy is made in the graph, not looked up in the eager cache:
+    # the cache key (the weight's version counter among others) must not be read while tracing.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references: a triton_op cannot compile on CPU
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48)
+    eager, _ = _bound(FusedLinearBiasActivation(linear, "gelu_tanh", emulate=True) if kind == "fused"
+                      else FP8Linear(linear, emulate=True))
+    twin = nn.Linear(32, 48)
+    twin.load_state_dict(linear.state_dict())
+    compiled_module, _ = _bound(FusedLinearBiasActivation(twin, "gelu_tanh", emulate=True) if kind == "fused"
+                                else FP8Linear(twin, emulate=True))
+    compiled = torch.compile(compiled_module, backend="aot_eager", fullgraph=True)
+    x, dy = torch.randn(24, 32), torch.randn(24, 48)
+    for _ in range(2):
+        with fp8_autocast(CurrentScaling()):
+            y, dx = _run(eager, x, dy)
+            y_c, dx_c = _run(compiled, x, dy)
+        torch.testing.assert_close(y_c, y, rtol=0, atol=0)
+        torch.testing.assert_close(dx_c, dx, rtol=0, atol=0)
+    torch.testing.assert_close(twin.weight.grad, linear.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(twin.bias.grad, linear.bias.grad, rtol=0, atol=0)
+    _, dx_ref, dw_ref, db_ref = _reference64(linear, "gelu_tanh" if kind == "fused" else None, x, dy)
+    assert sqnr_db(dx_c, dx_ref) >= 20 and sqnr_db(twin.weight.grad, 2 * dw_ref) >= 20
+    assert sqnr_db(twin.bias.grad, 2 * db_ref) >= 20

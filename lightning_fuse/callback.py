@@ -30,6 +30,14 @@ _BENCHMARK_MODES = ("off", "log", "auto")
 _DEFAULT_TOKENS = 4096
 
 
+def _log_step(trainer: Trainer) -> int:
+    """The step Lightning logs the current training batch's own metrics at (and its LearningRateMonitor and
+    DeviceStatsMonitor theirs): batches that stepped the optimizers before this one. ``trainer.global_step``
+    is one more after the batch's optimizer step, and counts each optimizer of a manual step once."""
+    loop = getattr(trainer.fit_loop, "epoch_loop", None)
+    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
 class FusedBackwardCallback(Callback):
     r"""Swaps ``Linear -> bias -> activation`` chains for FP8 modules with a one-kernel fused backward.
 
@@ -46,10 +54,15 @@ class FusedBackwardCallback(Callback):
       validation, test and predict with ``fp8_eval``); delayed scales update once per optimizer step,
       after gradient accumulation (in ``validate``/``test``/``predict`` runs, where no optimizer
       steps, the forward scales update after each batch from the rank's own amaxes); every
-      ``log_every_n_steps`` optimizer steps ``fuse/nonfinite_amax``, ``fuse/scale_min``,
-      ``fuse/scale_max`` and ``fuse/step_time_ms`` (wall time per optimizer step, validation and
+      ``log_every_n_steps`` optimizer steps ``fuse/nonfinite_amax``, ``fuse/scale_min`` and
+      ``fuse/scale_max`` (where delayed scaling keeps scales: not under current scaling, nor where
+      FP8 never ran) and ``fuse/step_time_ms`` (wall time per optimizer step, validation and
       the checkpoints saved after it left out, and the first step, whose compile and measurement
       are not a step's time) are logged.
+    - Logged metrics go to the Trainer's loggers at the step Lightning logs the same batch's own
+      metrics at (as its ``LearningRateMonitor`` does), and steps are counted as Lightning counts
+      them for its ``log_every_n_steps``: a batch that steps several optimizers (manual
+      optimization) is one step.
     - ``state_dict``: the FP8 state (amax histories, scales, counters) and the benchmark decisions,
       so a resumed run continues with the same scales; the model's own ``state_dict`` stays the plain
       model's.
@@ -59,7 +72,8 @@ class FusedBackwardCallback(Callback):
             mapping of a recipe's fields, or ``None`` (no FP8: fused high-precision backward only).
         benchmark: ``"auto"`` (measure, log, revert what is slower), ``"log"`` (measure and log only)
             or ``"off"``.
-        log_every_n_steps: optimizer steps between FP8 health logs.
+        log_every_n_steps: optimizer steps between FP8 health logs (batches that stepped, as Lightning counts
+            them).
         benchmark_tokens: tokens to time each shape with, measured at ``on_fit_start``; ``None``
             takes the real count from the first training batch (4096 for a module it did not run).
         fp8_eval: run validation, test and predict under the recipe too.
@@ -123,7 +137,7 @@ class FusedBackwardCallback(Callback):
         self._modules: dict[str, FP8LinearBase] = {}
         self._loaded: Optional[dict[str, Any]] = None
         self._context: Optional[contextlib.ExitStack] = None
-        self._capture: dict[str, tuple[int, torch.dtype]] = {}
+        self._capture: dict[str, tuple[int, torch.dtype, bool, bool]] = {}  # tokens, dtype, input grad, grad mode
         self._capture_handles: list = []
         self._last_update_step = -1
         self._measured = False  # measured (or restored) once: never again, even when nothing was measurable
@@ -133,6 +147,17 @@ class FusedBackwardCallback(Callback):
         self._steps_since_log = 0
         self._log_clock = time.perf_counter()
         self._paused_at: Optional[float] = None  # when validation inside fit began (its time is not a step's)
+        # Non-finite current-scaling amaxes counted before the checkpoint this run resumed from (delayed
+        # scaling's counters are part of the FP8 state; current scaling's count lives outside it, per rank),
+        # and (all ranks' count, this rank's count) since then, as of the last health log.
+        self._nonfinite_before = 0.0
+        self._nonfinite_synced = (0.0, 0.0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn and process-pool sweeps pickle the Trainer's callbacks, this one maybe after a first run:
+        # the weak reference to that run's model, an open FP8 context and hook handles do not pickle, and a
+        # copy in another process is handed another model anyway (setup starts again for it).
+        return {**self.__dict__, "_fused_for": None, "_context": None, "_capture_handles": []}
 
     # -- setup: swap ------------------------------------------------------------------------------
 
@@ -149,6 +174,7 @@ class FusedBackwardCallback(Callback):
         if self.report is not None:  # the same callback handed a new model: start again for it
             self.report, self.state, self._modules = None, None, {}
             self.speedups, self.decisions, self._measured, self._capture = {}, {}, False, {}
+            self._nonfinite_before, self._nonfinite_synced = 0.0, (0.0, 0.0)
         self._fused_for = weakref.ref(pl_module)
         problem = fp8_device_problem(trainer.strategy.root_device, self.fuse_config.emulate)
         self._device_reason = f"high precision: {problem}" if problem else ""
@@ -199,11 +225,17 @@ class FusedBackwardCallback(Callback):
             def record(module: nn.Module, args: tuple) -> None:
                 if args and isinstance(args[0], torch.Tensor) and name not in self._capture:
                     x = args[0]
-                    self._capture[name] = (x.numel() // max(1, x.shape[-1]), x.dtype)
+                    self._capture[name] = (x.numel() // max(1, x.shape[-1]), x.dtype, x.requires_grad,
+                                           torch.is_grad_enabled())
             return record
         self._capture_handles = [m.register_forward_pre_hook(hook(name)) for name, m in self._modules.items()]
 
-    def _measure(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype]]) -> None:
+    def _stop_capture(self) -> None:
+        for handle in self._capture_handles:
+            handle.remove()
+        self._capture_handles = []
+
+    def _measure(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype, bool, bool]]) -> None:
         decisions: Optional[dict[str, Any]] = None
         if trainer.is_global_zero:
             device = trainer.strategy.root_device
@@ -221,24 +253,36 @@ class FusedBackwardCallback(Callback):
         metrics["fuse/chains_fused"] = float(sum(
             1 for name, m in self._modules.items() if m.activation and self.decisions.get(name, True)))
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=_log_step(trainer))
         self._print_table()
         # The step it follows ran the first, compiling forward and backward: neither it nor the
         # measurement is a training step's time. The window starts again after both.
         self._reset_clock()
 
-    def _measure_here(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype]]) -> dict[str, Any]:
+    def _measure_here(self, trainer: Trainer, captured: dict[str, tuple[int, torch.dtype, bool, bool]]
+                      ) -> dict[str, Any]:
         device = trainer.strategy.root_device
         by_shape: dict = {}
         for name, module in self._modules.items():
             if module.activation is None and (self.recipe is None or module.fp8_reason or self._device_reason):
                 continue  # an FP8Linear that cannot run FP8 computes exactly what nn.Linear does
-            tokens, dtype = captured.get(name, (self.benchmark_tokens or _DEFAULT_TOKENS, module.weight.dtype))
-            by_shape.setdefault(shape_key(module, max(1, tokens), dtype), []).append(name)
+            tokens, dtype, input_grad, grad_enabled = captured.get(
+                name, (self.benchmark_tokens or _DEFAULT_TOKENS, module.weight.dtype, True, True))
+            key = shape_key(module, max(1, tokens), dtype, input_requires_grad=input_grad, grad_enabled=grad_enabled)
+            by_shape.setdefault(key, []).append(name)
         speedups: dict[str, float] = {}
         for key, names in by_shape.items():
-            original_ms, fused_ms = measure(key, device, self.recipe, emulate=self.fuse_config.emulate,
-                                            precision_context=trainer.precision_plugin.forward_context)
+            try:
+                original_ms, fused_ms = measure(key, device, self.recipe, emulate=self.fuse_config.emulate,
+                                                precision_context=trainer.precision_plugin.forward_context)
+            except Exception as err:  # noqa: BLE001 - measuring is optional: a failure must not end the run
+                # (nor leave the other ranks waiting for the broadcast of a decision that never comes)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # what the failed attempt allocated
+                rank_zero_warn(f"FusedBackwardCallback: could not measure {key.label()}: {type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''}; {', '.join(names)} kept as swapped "
+                               "(no fuse/speedup logged for them)")
+                continue
             for name in names:
                 speedups[name] = original_ms / fused_ms
         keep = {name: (self.benchmark != "auto" or speedups[name] >= 1.0) for name in speedups}
@@ -292,16 +336,15 @@ class FusedBackwardCallback(Callback):
         self._exit()
         measured = False
         if self._capture_handles:
-            for handle in self._capture_handles:
-                handle.remove()
-            self._capture_handles = []
+            self._stop_capture()
             self._measure(trainer, self._capture)
             measured = True
         if not self._stepped:
             return  # gradient accumulation: no optimizer step yet
         self._stepped = False
         self._steps_since_log += 0 if measured else 1
-        if trainer.global_step % self.log_every_n_steps == 0:
+        # Counted as Lightning counts steps for its own log_every_n_steps: batches that stepped (this one too).
+        if (_log_step(trainer) + 1) % self.log_every_n_steps == 0:
             self._log_health(trainer)
 
     @override
@@ -326,9 +369,20 @@ class FusedBackwardCallback(Callback):
         self._log_clock, self._steps_since_log = now, 0
         if self.state is not None:
             stats = self.state.stats()
+            if not self.state.groups:
+                # No delayed-scaling state: current scaling keeps no scales (each cast computes its own) and
+                # without FP8 there are none; stats() reports 1.0 for them, which no tensor was scaled by.
+                del stats["scale_min"], stats["scale_max"]
+                # Current scaling counts a non-finite gradient on the rank whose backward saw it (delayed
+                # scaling all-reduces its amaxes first): summed over the ranks, each of which logs here.
+                local = self._local_nonfinite()
+                total = trainer.strategy.reduce(torch.tensor(local, dtype=torch.float64,
+                                                             device=trainer.strategy.root_device), reduce_op="sum")
+                self._nonfinite_synced = (float(total), local)
+                stats["nonfinite_amax"] = self._nonfinite_before + self._nonfinite_synced[0]
             metrics.update({f"fuse/{key}": value for key, value in stats.items()})
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=_log_step(trainer))
 
     def _eval_start(self, *args: Any) -> None:
         if self.fp8_eval:
@@ -351,6 +405,9 @@ class FusedBackwardCallback(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._exit()
         self._remove_wrapper(pl_module)
+        # A run that ended before its first training batch did (every batch start returned -1, say): no hook
+        # of this callback stays on the model (it would make the model unpicklable); the next fit measures.
+        self._stop_capture()
 
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _eval_start
     on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _eval_end
@@ -359,9 +416,7 @@ class FusedBackwardCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._exit()
         self._remove_wrapper(pl_module)
-        for handle in self._capture_handles:
-            handle.remove()
-        self._capture_handles = []
+        self._stop_capture()
 
     # -- checkpointing ----------------------------------------------------------------------------
 
@@ -372,7 +427,18 @@ class FusedBackwardCallback(Callback):
             "speedups": dict(self.speedups),
             "decisions": dict(self.decisions),
             "recipe": asdict(self.recipe) if self.recipe is not None else None,
+            "current_nonfinite": self._current_nonfinite(),
         }
+
+    def _local_nonfinite(self) -> float:
+        count = self.state.current_nonfinite if self.state is not None else None
+        return float(count.item()) if count is not None else 0.0
+
+    def _current_nonfinite(self) -> float:
+        """Non-finite current-scaling amaxes so far, those before a resume included: all ranks' as of the
+        last health log, and this rank's since (a checkpoint is no place for a collective)."""
+        synced_total, synced_local = self._nonfinite_synced
+        return self._nonfinite_before + synced_total + self._local_nonfinite() - synced_local
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -380,11 +446,16 @@ class FusedBackwardCallback(Callback):
             self._loaded = dict(state_dict)
         else:
             self._apply_loaded(state_dict)
-            self._print_table()  # the one printed at the swap showed the decisions before the checkpoint's
+            if self._modules:  # (without any, the swap's warning said all there is: it is not given twice)
+                self._print_table()  # the one printed at the swap showed the decisions before the checkpoint's
 
     def _apply_loaded(self, state_dict: dict[str, Any]) -> None:
         if self.state is not None and state_dict.get("fp8_state") is not None:
             self.state.load_state_dict(state_dict["fp8_state"])
+        if self.state is not None:
+            self.state.current_nonfinite = None  # the checkpoint's count replaces this run's, as every counter does
+        self._nonfinite_before = float(state_dict.get("current_nonfinite", 0.0))
+        self._nonfinite_synced = (0.0, 0.0)
         self.speedups = dict(state_dict.get("speedups", {}))
         self.decisions = dict(state_dict.get("decisions", {}))
         self._measured = self._measured or bool(self.speedups)

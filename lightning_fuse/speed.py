@@ -3,7 +3,9 @@ forward + backward, on the real device and dtypes (CUDA events after warm-up; wa
 
 The measurement runs on fresh modules of the same shapes (never the model's own parameters), so
 it changes nothing in the model and its optimizer. The fused copy re-quantizes its weight every
-repetition, as training does once per optimizer step.
+repetition, as training does once per optimizer step. Its backward computes the gradients training
+computes: none for a frozen weight or bias (LoRA fine-tuning, say) or for an input that wants none
+(the first layer's, reading the data), and no backward at all where nothing wants a gradient.
 """
 
 from __future__ import annotations
@@ -36,15 +38,27 @@ class ShapeKey:
     tokens: int  # rows of the flattened input
     input_dtype: torch.dtype
     param_dtype: torch.dtype
+    # which gradients the backward computes (training skips the GEMM of each one not wanted)
+    weight_requires_grad: bool = True
+    bias_requires_grad: bool = True
+    input_requires_grad: bool = True
 
     def label(self) -> str:
         act = self.activation or "linear"
-        return f"{self.in_features}x{self.out_features} {act} ({self.tokens} tokens)"
+        frozen = "" if self.weight_requires_grad else ", frozen weight"
+        return f"{self.in_features}x{self.out_features} {act} ({self.tokens} tokens{frozen})"
 
 
-def shape_key(module: FP8LinearBase, tokens: int, input_dtype: torch.dtype) -> ShapeKey:
-    return ShapeKey(module.in_features, module.out_features, module.activation, module.bias is not None,
-                    module.weight_is_in_out, int(tokens), input_dtype, module.weight.dtype)
+def shape_key(module: FP8LinearBase, tokens: int, input_dtype: torch.dtype, *, input_requires_grad: bool = True,
+              grad_enabled: bool = True) -> ShapeKey:
+    """The key of ``module`` run on ``tokens`` rows of ``input_dtype``; ``grad_enabled=False`` for a module
+    that runs without autograd (under ``torch.no_grad``), whose measurement then has no backward."""
+    bias = module.bias
+    return ShapeKey(module.in_features, module.out_features, module.activation, bias is not None,
+                    module.weight_is_in_out, int(tokens), input_dtype, module.weight.dtype,
+                    weight_requires_grad=grad_enabled and module.weight.requires_grad,
+                    bias_requires_grad=grad_enabled and bias is not None and bias.requires_grad,
+                    input_requires_grad=grad_enabled and input_requires_grad)
 
 
 class Conv1D(nn.Module):
@@ -65,6 +79,9 @@ def _copy_of(key: ShapeKey, device: torch.device, emulate: bool) -> FP8LinearBas
         linear = nn.Linear(key.in_features, key.out_features, bias=key.bias, device=device, dtype=key.param_dtype)
     module = FusedLinearBiasActivation(linear, key.activation, emulate=emulate) if key.activation else \
         FP8Linear(linear, emulate=emulate)
+    module.weight.requires_grad_(key.weight_requires_grad)
+    if module.bias is not None:
+        module.bias.requires_grad_(key.bias_requires_grad)
     module.bind_fp8_state(FP8ScalingState(), f"benchmark[{key.label()}]")
     return module
 
@@ -107,7 +124,8 @@ def measure(key: ShapeKey, device: torch.device, recipe: Optional[Recipe], *, em
     the fused copy runs under ``fp8_autocast(recipe)`` when a recipe is given.
     """
     module = _copy_of(key, device, emulate)
-    x = torch.randn(key.tokens, key.in_features, device=device, dtype=key.input_dtype, requires_grad=True)
+    x = torch.randn(key.tokens, key.in_features, device=device, dtype=key.input_dtype,
+                    requires_grad=key.input_requires_grad)
     dy = None
 
     def step(fused: bool) -> Callable[[], None]:
@@ -123,6 +141,8 @@ def measure(key: ShapeKey, device: torch.device, recipe: Optional[Recipe], *, em
                    else contextlib.nullcontext())
             with precision_context(), fp8:
                 y = module(x)
+            if not y.requires_grad:  # nothing here wants a gradient: training runs no backward either
+                return
             if dy is None or dy.dtype != y.dtype:
                 dy = torch.randn_like(y)
             y.backward(dy)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import pickle
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
@@ -309,7 +311,7 @@ def test_health_is_logged_once_per_optimizer_step_with_accumulation(tmp_path):
     trainer.fit(BoringMLPModel())
 
     steps = [step for step, metrics in logged(logger) if "fuse/scale_min" in metrics]
-    assert steps == [1, 2]
+    assert steps == [0, 1]  # Lightning's logging steps of the two optimizer steps' last micro-batches
 
 
 class _InfiniteLossAtSecondStep(BoringMLPModel):
@@ -372,8 +374,8 @@ def test_logged_metric_names_and_values(tmp_path):
     calls = logged(logger)
     names = set().union(*(metrics.keys() for _, metrics in calls))
     assert names == MLP_SPEEDUPS | HEALTH_METRICS
-    # Measured once, on the first batch, and logged at the step that batch completed.
-    assert [(step, metrics) for step, metrics in calls if "fuse/speedup_mean" in metrics] == [(1, {
+    # Measured once, on the first batch, and logged at the step Lightning logs that batch's metrics at.
+    assert [(step, metrics) for step, metrics in calls if "fuse/speedup_mean" in metrics] == [(0, {
         "fuse/speedup/mlp.0": 2.0,
         "fuse/speedup/mlp.2": 0.5,
         "fuse/speedup_mean": 1.25,
@@ -381,13 +383,13 @@ def test_logged_metric_names_and_values(tmp_path):
     })]
 
     health = [(step, metrics) for step, metrics in calls if "fuse/scale_min" in metrics]
-    assert [step for step, _ in health] == [1, 2, 3]
+    assert [step for step, _ in health] == [0, 1, 2]
     for step, metrics in health:
-        # step 1 ran the measurement (and the first compiles): it is no step's time
-        assert metrics.keys() == HEALTH_METRICS - ({"fuse/step_time_ms"} if step == 1 else set())
+        # the first batch (step 0) ran the measurement (and the first compiles): it is no step's time
+        assert metrics.keys() == HEALTH_METRICS - ({"fuse/step_time_ms"} if step == 0 else set())
         assert metrics["fuse/nonfinite_amax"] == 0.0
         assert 0 < metrics["fuse/scale_min"] <= metrics["fuse/scale_max"]
-        assert step == 1 or metrics["fuse/step_time_ms"] > 0
+        assert step == 0 or metrics["fuse/step_time_ms"] > 0
     stats = callback.state.stats()
     assert health[-1][1]["fuse/scale_min"] == stats["scale_min"]
     assert health[-1][1]["fuse/scale_max"] == stats["scale_max"]
@@ -400,8 +402,64 @@ def test_health_every_n_steps(tmp_path):
     make_trainer(tmp_path, [callback], max_steps=5, logger=logger).fit(BoringMLPModel())
 
     calls = logged(logger)
-    assert [step for step, _ in calls] == [2, 4]
+    assert [step for step, _ in calls] == [1, 3]  # after the 2nd and the 4th optimizer step, at Lightning's steps
     assert all(metrics.keys() == HEALTH_METRICS for _, metrics in calls)
+
+
+class _TwoOptimizers(BoringMLPModel):
+    """Manual optimization stepping two optimizers per batch (a GAN's generator and discriminator, say):
+    ``trainer.global_step`` counts both steps, Lightning's logging step counts the batch once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.head = self.build(self.d)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, target = batch
+        for optimizer, net in zip(self.optimizers(), (self.mlp, self.head)):
+            loss = F.mse_loss(net(x), target)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.mlp.parameters(), lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=self.lr)]
+
+
+@pytest.mark.parametrize("model_class, max_steps", [(BoringMLPModel, 4), (_TwoOptimizers, 8)])
+def test_fuse_metrics_are_logged_at_the_step_lightning_logs_the_same_batch_at(tmp_path, model_class, max_steps):
+    # In a CSV or TensorBoard log, a batch's fuse/* metrics sit beside its train_loss, as Lightning's own
+    # LearningRateMonitor and DeviceStatsMonitor put theirs; log_every_n_steps counts as Lightning's does.
+    torch.manual_seed(0)
+    logger = mock_logger(tmp_path)
+    callback = FusedBackwardCallback(emulate=True, benchmark="log", log_every_n_steps=2)
+    with mock.patch("lightning_fuse.callback.measure", side_effect=_chain_faster_linear_slower):
+        make_trainer(tmp_path, [callback], max_steps=max_steps, logger=logger, log_every_n_steps=2).fit(model_class())
+
+    losses = [step for step, _ in logged(logger, prefix="train_loss")]
+    health = [step for step, metrics in logged(logger) if "fuse/scale_min" in metrics]
+    assert losses == [1, 3]  # 4 batches: Lightning logs the 2nd and the 4th
+    assert health == losses
+    ((speedup_step, _),) = [(step, m) for step, m in logged(logger) if "fuse/speedup_mean" in m]
+    assert speedup_step == 0  # measured on the first batch, whose own metrics Lightning logs at step 0
+
+
+@pytest.mark.parametrize("recipe, emulate", [("current", True), ("delayed", False), (None, True)],
+                         ids=["current-scaling", "delayed-without-fp8-on-cpu", "no-recipe"])
+def test_no_scale_is_logged_where_no_fp8_scale_exists(tmp_path, recipe, emulate):
+    # Current scaling keeps no scales (each cast computes its own); without FP8 there are none at all: a
+    # logged 1.0 would read as "amax history still warming up" (README), forever.
+    torch.manual_seed(0)
+    logger = mock_logger(tmp_path)
+    callback = FusedBackwardCallback(recipe=recipe, emulate=emulate, benchmark="off", log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the CPU fallback's own warning)
+        make_trainer(tmp_path, [callback], max_steps=2, logger=logger).fit(BoringMLPModel())
+    calls = logged(logger)
+    assert len(calls) == 2
+    assert all(metrics.keys() == {"fuse/nonfinite_amax", "fuse/step_time_ms"} for _, metrics in calls), calls
 
 
 def test_first_step_time_excludes_time_before_fit(tmp_path):
@@ -498,6 +556,71 @@ def test_benchmark_measures_the_real_token_count(tmp_path):
     keys = [call.args[0] for call in measure.call_args_list]
     assert {key.tokens for key in keys} == {2 * 8}  # batch 2 x 8 tokens
     assert {key.input_dtype for key in keys} == {torch.float32}
+
+
+class _FrozenWeights(BoringMLPModel):
+    """LoRA-style fine-tuning: the MLP's weights are frozen, its biases train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp[0].weight.requires_grad_(False)
+        self.mlp[2].weight.requires_grad_(False)
+
+
+def test_benchmark_times_the_gradients_training_computes(tmp_path):
+    # A frozen weight has no weight-gradient GEMM in training (nor an input that wants no gradient a
+    # dgrad GEMM): timing them anyway would compare other work than the run does.
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(emulate=True, benchmark="log")
+    with mock.patch("lightning_fuse.callback.measure", return_value=(1.0, 1.0)) as measure:
+        make_trainer(tmp_path, [callback], max_steps=1).fit(_FrozenWeights())
+    keys = {(key.in_features, key.weight_requires_grad, key.bias_requires_grad, key.input_requires_grad)
+            for key in (call.args[0] for call in measure.call_args_list)}
+    # mlp.0 reads the data (no gradient wanted); mlp.2 reads mlp.0's output, which mlp.0's bias needs a gradient of
+    assert keys == {(32, False, True, False), (64, False, True, True)}
+
+
+@pytest.mark.parametrize("weight, bias, inputs", [(False, True, True), (False, False, False)])
+def test_measure_runs_only_the_backward_training_runs(weight, bias, inputs):
+    from lightning_fuse import speed
+
+    key = speed.ShapeKey(32, 64, "gelu", True, False, 16, torch.float32, torch.float32, weight_requires_grad=weight,
+                         bias_requires_grad=bias, input_requires_grad=inputs)
+    made = []
+
+    def copy_of(*args: Any, **kwargs: Any) -> nn.Module:
+        made.append(real_copy_of(*args, **kwargs))
+        return made[-1]
+
+    real_copy_of = speed._copy_of
+    with mock.patch.object(speed, "_copy_of", side_effect=copy_of):
+        original_ms, fused_ms = speed.measure(key, torch.device("cpu"), None, warmup=0, reps=2)
+    (module,) = made
+    assert original_ms > 0 and fused_ms > 0
+    assert (module.weight.requires_grad, module.bias.requires_grad) == (weight, bias)
+    assert module.weight.grad is None and (module.bias.grad is not None) is bias
+
+
+def test_a_shape_that_fails_to_measure_is_kept_with_one_warning_and_training_goes_on(tmp_path):
+    # The measurement allocates a module and its activations beside the training's own, right after the
+    # first step: a GPU near its memory limit may refuse. Measuring is optional; the run is not.
+    def measure(key: Any, *args: Any, **kwargs: Any) -> tuple[float, float]:
+        if key.activation:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1.0, 2.0  # the other linear: slower
+
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(emulate=True, benchmark="auto")
+    model = BoringMLPModel()
+    trainer = make_trainer(tmp_path, [callback], max_steps=3)
+    with mock.patch("lightning_fuse.callback.measure", side_effect=measure), \
+            pytest.warns(UserWarning, match=r"could not measure 32x64 gelu \(16 tokens\): OutOfMemoryError: CUDA "
+                                            r"out of memory.*mlp\.0.*kept as swapped") as caught:
+        trainer.fit(model)
+    assert len([w for w in caught if "could not measure" in str(w.message)]) == 1
+    assert trainer.global_step == 3
+    assert callback.speedups == {"mlp.2": 0.5}
+    assert [model.mlp[0].fused, model.mlp[2].fused] == [True, False]  # unmeasured: left as it was
 
 
 def test_benchmark_does_not_change_training(tmp_path):

@@ -7,12 +7,13 @@ Every rank must fuse the same modules, take rank 0's benchmark decisions, keep i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
 import torch.distributed
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
 
 from lightning_fuse import DelayedScaling, FP8ScalingState, FusedBackwardCallback
 
@@ -122,3 +123,59 @@ def test_a_nan_amax_on_any_rank_is_counted_on_every_rank_and_keeps_the_scale(tmp
         assert result["scale"][0] == result["kept"][0]  # the NaN's tensor keeps its previous scale
         assert result["scale"][0] != result["scale"][1]  # the other tensors moved to the new amax 4
     assert torch.equal(results[0]["scale"], results[1]["scale"])
+
+
+class _InfiniteLossOnRankOne(ShardedMLPModel):
+    """Rank 1's loss is infinite at its second batch (one bad sample, say); rank 0's stays finite."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if (batch_idx == 1 and self.trainer.global_rank == 1) else loss
+
+
+class _SkipNonFiniteSteps(Callback):
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if not all(torch.isfinite(p.grad).all() for p in pl_module.parameters()):
+            for p in pl_module.parameters():
+                p.grad.zero_()
+
+
+class _RankFileLogger(Logger):
+    """Writes what each rank is asked to log to ``logged<rank>.pt`` (Lightning's loggers keep rank 0's)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+        self.calls: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "ranks"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        self.calls.append(dict(metrics))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        torch.save(self.calls, self.directory / f"logged{rank}.pt")
+
+
+def test_ddp_current_scaling_counts_a_nonfinite_gradient_of_any_rank_in_the_logged_count(tmp_path):
+    # Under delayed scaling the amaxes are all-reduced before each update, so every rank counts every event;
+    # current scaling counts on the rank whose backward saw it, and rank 0 is the one whose log is kept.
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(recipe="current", emulate=True, benchmark="off", log_every_n_steps=1)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", use_distributed_sampler=False,
+                      default_root_dir=tmp_path, max_steps=STEPS, logger=_RankFileLogger(tmp_path),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[_SkipNonFiniteSteps(), callback])
+    trainer.fit(_InfiniteLossOnRankOne(batch_size=2))
+    for rank in range(2):
+        counts = [m["fuse/nonfinite_amax"] for m in torch.load(tmp_path / f"logged{rank}.pt", weights_only=True)
+                  if "fuse/nonfinite_amax" in m]
+        assert len(counts) == STEPS and counts[0] == 0 and counts[1] >= 1 and counts[2] == counts[1], (rank, counts)

@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -217,7 +218,7 @@ def test_step_time_leaves_out_validation(tmp_path, monkeypatch):
     make_trainer(tmp_path, [callback], max_steps=4, logger=logger, val_check_interval=2, limit_val_batches=2,
                  check_val_every_n_epoch=None).fit(_SlowValidation())
     ((step, metrics),) = [(s, m) for s, m in logged(logger) if "fuse/step_time_ms" in m]
-    assert step == 4 and metrics["fuse/step_time_ms"] < 60, metrics
+    assert step == 3 and metrics["fuse/step_time_ms"] < 60, metrics  # the 4th step, at Lightning's logging step
 
 
 @pytest.mark.parametrize("recipe,order", [("delayed", "validate,fit"), ("current", "validate,fit"),
@@ -298,8 +299,8 @@ def test_the_measured_first_step_is_not_logged_as_a_step_time(tmp_path, monkeypa
     callback = FusedBackwardCallback(recipe=None, benchmark="log", log_every_n_steps=1)
     make_trainer(tmp_path, [callback], max_steps=3, logger=logger).fit(_SleepyTraining())
     logged_steps = {step: m["fuse/step_time_ms"] for step, m in logged(logger) if "fuse/step_time_ms" in m}
-    # step 1 ran the measurement; steps 2 and 3 each slept 100 ms
-    assert sorted(logged_steps) == [2, 3] and all(100 <= t < 400 for t in logged_steps.values()), logged_steps
+    # the first batch (logging step 0) ran the measurement; the next two each slept 100 ms
+    assert sorted(logged_steps) == [1, 2] and all(100 <= t < 400 for t in logged_steps.values()), logged_steps
 
 
 def test_a_second_model_is_measured_at_its_own_token_count(tmp_path):
@@ -347,3 +348,84 @@ def test_fp8_weight_copies_are_made_again_after_each_optimizer_step_under_curren
     fresh_q = lightning_fuse.modules.quantize_current_scaling(fc.weight.detach(), fp8_dtype=torch.float8_e4m3fn,
                                                               transpose=False, margin=0)[0]
     assert torch.equal(cached[0].view(torch.uint8), fresh_q.view(torch.uint8))
+
+
+def test_a_callback_used_for_one_fit_pickles_for_the_next_as_ddp_spawn_does(tmp_path):
+    # ddp_spawn (and any process-pool sweep) pickles the Trainer with its callbacks: a callback kept for a
+    # second run must pickle after its first, and its copy must fuse the model it is handed there.
+    import pickle
+
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(emulate=True, benchmark="off")
+    make_trainer(tmp_path, [callback], max_steps=1).fit(BoringMLPModel())
+    copy = pickle.loads(pickle.dumps(callback))
+    model = BoringMLPModel()
+    make_trainer(tmp_path, [copy], max_steps=2).fit(model)
+    assert type(model.mlp[0]) is FusedLinearBiasActivation
+    assert all(m is model.get_submodule(name) for name, m in copy._modules.items())
+    assert copy.state.generation == 2
+
+
+class _SkipsEveryBatch(BoringMLPModel):
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1  # e.g. a module waiting for something: the epoch ends before any batch has run
+
+
+def test_no_measuring_hook_is_left_on_the_model_when_no_batch_completed(tmp_path):
+    import pickle
+
+    torch.manual_seed(0)
+    model = _SkipsEveryBatch()
+    callback = FusedBackwardCallback(emulate=True, benchmark="log")
+    make_trainer(tmp_path, [callback], max_epochs=1, max_steps=-1).fit(model)
+    assert [name for name, m in model.named_modules() if m._forward_pre_hooks] == []
+    pickle.dumps(model)  # a hook of the callback's would make the model unpicklable
+    # the next fit still measures, on its own first batch
+    with mock.patch.object(lightning_fuse.callback, "measure", return_value=(1.0, 1.0)) as measure:
+        make_trainer(tmp_path, [callback], max_steps=1).fit(BoringMLPModel())
+    assert measure.call_count == 2 and set(callback.speedups) == {"mlp.0", "mlp.2"}
+
+
+def test_a_model_without_chains_warns_once_when_resumed(tmp_path):
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path, [FusedBackwardCallback(emulate=True)], max_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(NoChainModel())
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [FusedBackwardCallback(emulate=True)], max_steps=2).fit(
+            NoChainModel(), ckpt_path=tmp_path / "plain.ckpt")
+    ours = [str(w.message) for w in caught if "chain" in str(w.message)]
+    assert ours == ["FusedBackwardCallback: no Linear -> activation chain found; training runs unchanged"]
+
+
+class _SkipNonFiniteSteps(Callback):
+    """Skips the whole update of a step with any non-finite gradient, as a GradScaler does."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if not all(torch.isfinite(p.grad).all() for p in pl_module.parameters()):
+            for p in pl_module.parameters():
+                p.grad.zero_()
+
+
+def test_current_scaling_nonfinite_count_survives_a_resume(tmp_path):
+    # fuse/nonfinite_amax is a count "so far": a resumed run goes on from the checkpoint's, as it does under
+    # delayed scaling (whose counters are part of the FP8 state)
+    torch.manual_seed(0)
+    first = FusedBackwardCallback(recipe="current", emulate=True, benchmark="off")
+    trainer = make_trainer(tmp_path, [_SkipNonFiniteSteps(), first], max_steps=3)
+    trainer.fit(_InfiniteLossAtSecondStep())
+    counted = first.state.stats()["nonfinite_amax"]
+    assert counted >= 1
+    trainer.save_checkpoint(tmp_path / "current.ckpt")
+
+    logger = mock_logger(tmp_path)
+    resumed = FusedBackwardCallback(recipe="current", emulate=True, benchmark="off", log_every_n_steps=1)
+    make_trainer(tmp_path, [resumed], max_steps=5, logger=logger).fit(BoringMLPModel(),
+                                                                      ckpt_path=tmp_path / "current.ckpt")
+    counts = [metrics["fuse/nonfinite_amax"] for _, metrics in logged(logger)]
+    assert counts == [counted, counted]  # two clean steps after the resume: nothing new, nothing forgotten
+    # ... and a checkpoint of the resumed run carries it on again
+    assert resumed.state_dict()["current_nonfinite"] == counted

@@ -274,6 +274,8 @@ class _FP8LinearFunction(torch.autograd.Function):
             if plan.state is not None and not torch.compiler.is_compiling():
                 plan.state.count_nonfinite(amax_g)
             scale_inv_g = scale_g.reciprocal()
+        if dy.dtype == torch.float16:
+            scale_inv_g = _poisoned_where_nonfinite(scale_inv_g, amax_g)
         dx = dweight = dbias_out = None
         if need_dgrad:
             dx = _scaled_mm(dq, w_kn.t(), scale_inv_g, scale_inv_w, plan.dtype)
@@ -286,6 +288,17 @@ class _FP8LinearFunction(torch.autograd.Function):
         if need_bgrad and ctx.has_bias:
             dbias_out = dbias.to(module.bias.dtype)
         return dx, dweight, dbias_out, None
+
+
+def _poisoned_where_nonfinite(scale_inv: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``scale_inv``, or NaN where the gradient's ``amax`` is NaN or infinite (``scale_inv + 0 * amax``).
+
+    The FP8 cast saturates, so an infinite gradient would leave the weight and input gradients finite,
+    and a ``GradScaler`` (``16-mixed``) would take the step its overflow should have skipped: with this
+    scale the two GEMMs return NaN instead. Applied to float16 gradients only, where a ``GradScaler``
+    relies on the overflow reaching the gradients; two one-element ops, no host sync.
+    """
+    return scale_inv + amax.reshape(scale_inv.shape) * 0
 
 
 def _no_double_backward() -> None:

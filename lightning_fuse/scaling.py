@@ -16,16 +16,22 @@ Semantics of an update (delayed scaling):
   row 0 (``"most_recent"``);
 - the history rolls by one row and row 0 starts again from zero.
 
-Scales are replaced, not written in place: a backward pass still holding the scale its forward
-used sees the value it quantized with. The state is made and replaced outside inference mode even
-when a forward under ``torch.inference_mode`` (Lightning's validate, test and predict) triggers it,
-so a later training step can save it for backward. On GPUs each group's update is one Triton launch
-(``kernels/scale_update.py``); the per-module views ``slot`` hands out are made once per update.
+The forward scales are replaced, not written in place: a backward pass still holding the scale its
+forward used sees the value it quantized with. The gradient (backward) scales are written in place
+instead: an eager backward looks them up when it runs, and a backward compiled with its forward
+(``torch.compile``) reads the very tensors its forward was given, so an update between a forward and
+its backward (``loss.backward()`` after the ``fp8_autocast`` block) reaches both alike. The state is
+made and replaced outside inference mode even when a forward under ``torch.inference_mode``
+(Lightning's validate, test and predict) triggers it, so a later training step can save it for
+backward; under ``torch.compile`` it is made when the graph is traced, never inside the graph. On
+GPUs each group's update is one Triton launch (``kernels/scale_update.py``); the per-module views
+``slot`` hands out are made once per update.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
@@ -76,6 +82,28 @@ class _Group:
         return {"history": self.history, "scale": self.scale, "scale_inv": self.scale_inv, "nonfinite": self.nonfinite}
 
 
+# Every state by ``id``: what ``_ensure_when_traced`` is given (constants only, as dynamo passes them on).
+_STATES: "weakref.WeakValueDictionary[int, FP8ScalingState]" = weakref.WeakValueDictionary()
+
+
+@torch.compiler.assume_constant_result
+def _ensure_when_traced(key: int, history_len: int, device: torch.device) -> bool:
+    """``ensure`` of the state ``id`` ``key``, run by dynamo while it traces, on the real state, and
+    left out of the graph.
+
+    Tensors a traced forward made would be intermediates of its graph, handed back as outputs; the
+    backward then max-reduces gradient amaxes into the backward history in place, and AOTAutograd
+    cannot partition a forward output that the backward writes ("Node select_scatter_... was invalid,
+    but is output"). Made here, the state's tensors are inputs of every graph, whose mutations
+    (forward and backward) functionalization writes back. Later calls run no code of this: the
+    graph's guards on the state (its ``groups`` and their tensors' shapes and devices) send a state
+    that needs allocating, moving or resizing to a new trace, which runs this again.
+    """
+    with torch.inference_mode(False):  # tensors a later training step can save for backward
+        _STATES[key]._ensure(history_len, device)
+    return True
+
+
 class FP8ScalingState:
     """Amax histories and scales of one model's FP8 tensors (see the module docstring)."""
 
@@ -90,6 +118,11 @@ class FP8ScalingState:
         self.steps = 0
         self._pending: Optional[dict[str, Any]] = None  # loaded state waiting for a device
         self.current_nonfinite: Optional[torch.Tensor] = None  # non-finite amaxes seen under CurrentScaling
+        _STATES[id(self)] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled or copied: known by id too
+        self.__dict__.update(state)
+        _STATES[id(self)] = self
 
     # -- registration and storage -------------------------------------------------------------
 
@@ -107,7 +140,16 @@ class FP8ScalingState:
 
     @_outside_inference_mode
     def ensure(self, history_len: int, device: torch.device) -> None:
-        """Allocates (or moves, or resizes the history of) the state for ``device``."""
+        """Allocates (or moves, or resizes the history of) the state for ``device``.
+
+        Under ``torch.compile`` this runs when the graph is traced, not in it (``_ensure_when_traced``).
+        """
+        if torch.compiler.is_compiling():
+            _ensure_when_traced(id(self), history_len, device)
+            return
+        self._ensure(history_len, device)
+
+    def _ensure(self, history_len: int, device: torch.device) -> None:
         n = len(self.names)
         if not self.groups:
             self.groups = {"forward": _Group(history_len, 2 * n, device), "backward": _Group(history_len, n, device)}
@@ -163,16 +205,23 @@ class FP8ScalingState:
                 self.groups[g].history[0].copy_(part)
         for g in groups:
             fp8_max = 448.0 if (g == "forward" or recipe.fp8_format == "e4m3") else 57344.0
-            self._update_group(self.groups[g], recipe, fp8_max)
+            self._update_group(self.groups[g], recipe, fp8_max, in_place=g == "backward")
         if "forward" in groups:
             self.generation += 1
         self.steps += 1
 
     @staticmethod
-    def _update_group(group: _Group, recipe: DelayedScaling, fp8_max: float) -> None:
-        group.history, group.scale, group.scale_inv = update_scales(
+    def _update_group(group: _Group, recipe: DelayedScaling, fp8_max: float, in_place: bool = False) -> None:
+        """``in_place``: the new scales are copied into the group's own scale tensors (module docstring)."""
+        history, scale, scale_inv = update_scales(
             group.history, group.scale, group.nonfinite, fp8_max=fp8_max, margin=recipe.margin,
             use_max=recipe.amax_compute_algo == "max")
+        group.history = history
+        if in_place:
+            group.scale.copy_(scale)
+            group.scale_inv.copy_(scale_inv)
+        else:
+            group.scale, group.scale_inv = scale, scale_inv
 
     # -- health ------------------------------------------------------------------------------
 

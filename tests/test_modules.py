@@ -21,8 +21,11 @@ from lightning_fuse import (
     DelayedScaling,
     FP8Linear,
     FP8ScalingState,
+    FuseConfig,
     FusedLinearBiasActivation,
     fp8_autocast,
+    fp8_state_of,
+    fuse_,
 )
 from lightning_fuse.kernels import ACTIVATIONS, activation_reference
 
@@ -514,3 +517,81 @@ def test_a_compiled_fp8_module_trains_like_the_eager_one(kind, monkeypatch):
     _, dx_ref, dw_ref, db_ref = _reference64(linear, "gelu_tanh" if kind == "fused" else None, x, dy)
     assert sqnr_db(dx_c, dx_ref) >= 20 and sqnr_db(twin.weight.grad, 2 * dw_ref) >= 20
     assert sqnr_db(twin.bias.grad, 2 * db_ref) >= 20
+
+
+@pytest.mark.parametrize("backward_in_context", [False, True], ids=["backward-after", "backward-inside"])
+def test_a_compiled_fused_model_under_delayed_scaling_matches_the_eager_one(backward_in_context, monkeypatch):
+    # The first compiled call allocates the scaling state and its backward max-reduces the gradient
+    # amax into a history row: those must be tensors that exist outside the traced graph (a tensor
+    # made in the forward graph and written by the backward one broke AOTAutograd's partitioner:
+    # "Node select_scatter_... was invalid, but is output").
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references: a triton_op cannot compile on CPU
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        assert fuse_(model, FuseConfig(emulate=True)).num_fused == 1
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    (eager, eager_opt), (model, opt) = make(), make()
+    assert isinstance(model[2], FP8Linear)
+    compiled = torch.compile(model, backend="aot_eager")
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(1)
+    for step in range(3):
+        x, dy = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+        results = []
+        for net, optimizer in ((eager, eager_opt), (compiled, opt)):
+            optimizer.zero_grad()
+            xi = x.clone().requires_grad_()
+            with fp8_autocast(recipe):
+                y = net(xi)
+                if backward_in_context:
+                    y.backward(dy)
+            if not backward_in_context:
+                y.backward(dy)
+            results.append((y.detach(), xi.grad, [p.grad.clone() for p in net.parameters()]))
+            optimizer.step()
+        (y, dx, grads), (y_c, dx_c, grads_c) = results
+        torch.testing.assert_close(y_c, y, rtol=0, atol=0, msg=f"step {step}: outputs")
+        torch.testing.assert_close(dx_c, dx, rtol=0, atol=0, msg=f"step {step}: input gradients")
+        for g_c, g in zip(grads_c, grads):
+            torch.testing.assert_close(g_c, g, rtol=0, atol=0, msg=f"step {step}: parameter gradients")
+        state, state_c = fp8_state_of(eager), fp8_state_of(model)
+        for group in ("forward", "backward"):
+            for key, value in state.groups[group].tensors().items():
+                torch.testing.assert_close(state_c.groups[group].tensors()[key], value, rtol=0, atol=0,
+                                           msg=f"step {step}: {group} {key}")
+    # FP8 ran and the scales moved: every history holds amaxes, every scale left 1.
+    for group in ("forward", "backward"):
+        assert (state_c.groups[group].history[1] > 0).all()
+        assert (state_c.groups[group].scale != 1).all()
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("activation", ["gelu", None])
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_infinite_float16_gradient_reaches_the_weight_and_input_gradients(recipe, activation, bias):
+    # A GradScaler (16-mixed) skips the step only if the overflow shows in the gradients. The FP8 cast
+    # saturates, so an infinite incoming gradient used to leave the weight and input gradients finite.
+    torch.manual_seed(5)
+    linear = nn.Linear(32, 48, bias=bias).half()
+    module = FusedLinearBiasActivation(linear, activation, emulate=True) if activation else \
+        FP8Linear(linear, emulate=True)
+    _bound(module)
+    x = torch.randn(48, 32, dtype=torch.float16)
+    finite = torch.randn(48, 48, dtype=torch.float16)
+    with fp8_autocast(recipe):
+        _run(module, x, finite)  # delayed scaling learns its scales
+    assert torch.isfinite(linear.weight.grad).all()
+    poisoned = finite.clone()
+    poisoned[3, 5] = float("inf")
+    linear.weight.grad = None
+    if bias:
+        linear.bias.grad = None
+    with fp8_autocast(recipe, update_scales=False):
+        _, dx = _run(module, x, poisoned)
+    assert not torch.isfinite(dx).all()
+    assert not torch.isfinite(linear.weight.grad).all()
+    if bias:
+        assert not torch.isfinite(linear.bias.grad).all()

@@ -578,7 +578,7 @@ def test_an_infinite_float16_gradient_reaches_the_weight_and_input_gradients(rec
     linear = nn.Linear(32, 48, bias=bias).half()
     module = FusedLinearBiasActivation(linear, activation, emulate=True) if activation else \
         FP8Linear(linear, emulate=True)
-    _bound(module)
+    _, state = _bound(module)
     x = torch.randn(48, 32, dtype=torch.float16)
     finite = torch.randn(48, 48, dtype=torch.float16)
     with fp8_autocast(recipe):
@@ -595,3 +595,11 @@ def test_an_infinite_float16_gradient_reaches_the_weight_and_input_gradients(rec
     assert not torch.isfinite(linear.weight.grad).all()
     if bias:
         assert not torch.isfinite(linear.bias.grad).all()
+    # The overflow poisons that step only: once the scales update (a GradScaler's skipped step still
+    # runs the callback's update), the next finite gradient gives finite gradients again.
+    if isinstance(recipe, DelayedScaling):
+        state.update(recipe)
+    linear.weight.grad = None
+    with fp8_autocast(recipe, update_scales=False):
+        _, dx = _run(module, x, finite)
+    assert torch.isfinite(dx).all() and torch.isfinite(linear.weight.grad).all()

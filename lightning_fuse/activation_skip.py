@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FUNCTIONAL_ACTIVATIONS", "ActivationsFusedAway", "note_output", "parent_running", "suspended"]
+__all__ = ["FUNCTIONAL_ACTIVATIONS", "GELU_APPROXIMATIONS", "ActivationsFusedAway", "note_output", "parent_running",
+           "suspended"]
 
 # The functional activations the chain finder accepts, by the label it records for a chain; the value
 # is the function a TorchFunctionMode sees for that call (F.relu and F.silu dispatch as themselves).
@@ -63,7 +64,7 @@ class _SkipFusedActivations(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-_GELU_NAMES = {"none": "gelu", "tanh": "gelu_tanh"}
+GELU_APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # F.gelu's approximate -> activation name
 
 
 def _check_same_activation(module: nn.Module, func: Callable[..., Any], args: tuple, kwargs: dict) -> None:
@@ -72,7 +73,7 @@ def _check_same_activation(module: nn.Module, func: Callable[..., Any], args: tu
     if func is not F.gelu:
         return
     approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
-    name = _GELU_NAMES.get(approximate) if isinstance(approximate, str) else None
+    name = GELU_APPROXIMATIONS.get(approximate) if isinstance(approximate, str) else None
     if name != module.activation:
         raise RuntimeError(
             f"lightning_fuse: `{_path_of(module)}` was fused with {module.activation}, but F.gelu is called on its "

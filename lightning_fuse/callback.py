@@ -370,11 +370,9 @@ class FusedBackwardCallback(Callback):
         if self.state is not None:
             stats = self.state.stats()
             if not self.state.groups:
-                # No delayed-scaling state: current scaling keeps no scales (each cast computes its own) and
-                # without FP8 there are none; stats() reports 1.0 for them, which no tensor was scaled by.
-                del stats["scale_min"], stats["scale_max"]
-                # Current scaling counts a non-finite gradient on the rank whose backward saw it (delayed
-                # scaling all-reduces its amaxes first): summed over the ranks, each of which logs here.
+                # No delayed-scaling state, so no scales. Current scaling counts a non-finite gradient on the
+                # rank whose backward saw it (delayed scaling all-reduces its amaxes first): summed over the
+                # ranks, each of which logs here.
                 local = self._local_nonfinite()
                 total = trainer.strategy.reduce(torch.tensor(local, dtype=torch.float64,
                                                              device=trainer.strategy.root_device), reduce_op="sum")

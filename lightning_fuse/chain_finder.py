@@ -41,7 +41,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from .activation_skip import FUNCTIONAL_ACTIVATIONS
+from .activation_skip import FUNCTIONAL_ACTIVATIONS, GELU_APPROXIMATIONS
 from .modules import is_linear_like
 
 __all__ = ["Chain", "ChainSearch", "SkippedModule", "activation_of_module", "find_chains"]
@@ -63,7 +63,6 @@ _HF_ACTIVATIONS = {
 
 # Functional activations: the name, and the keyword arguments each accepts (positional extras map
 # onto them in this order) with a check of their value.
-_GELU_APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 _FUNCTIONAL: dict[Callable[..., Any], tuple[str, tuple[str, ...]]] = {
     F.gelu: ("gelu", ("approximate",)),
     F.relu: ("relu", ("inplace",)),
@@ -108,7 +107,7 @@ def activation_of_module(module: nn.Module) -> Optional[str]:
     """The activation name computed by ``module``, or ``None`` if it is not a known activation."""
     cls = type(module)
     if isinstance(module, nn.GELU) and cls.forward is nn.GELU.forward:
-        return _GELU_APPROXIMATIONS.get(module.approximate)
+        return GELU_APPROXIMATIONS.get(module.approximate)
     if isinstance(module, nn.ReLU) and cls.forward is nn.ReLU.forward:
         return "relu"
     if isinstance(module, nn.SiLU) and cls.forward is nn.SiLU.forward:
@@ -197,9 +196,9 @@ def _functional_use(node: fx.Node) -> Optional[_ActivationUse]:
             return _ActivationUse(name, f"{label} has inplace={value!r}", None)
     if node.target is F.gelu:
         approximate = arguments.get("approximate", "none")
-        if approximate not in _GELU_APPROXIMATIONS:
+        if approximate not in GELU_APPROXIMATIONS:
             return _ActivationUse("", f"F.gelu has approximate={approximate!r} (expected 'none' or 'tanh')", None)
-        name = _GELU_APPROXIMATIONS[approximate]
+        name = GELU_APPROXIMATIONS[approximate]
     return _ActivationUse(name, "", None)
 
 

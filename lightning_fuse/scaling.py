@@ -233,10 +233,11 @@ class FP8ScalingState:
         self.current_nonfinite += (~torch.isfinite(amax)).sum()
 
     def stats(self) -> dict[str, float]:
-        """``nonfinite_amax`` (events so far), ``scale_min`` and ``scale_max`` over every tensor."""
+        """``nonfinite_amax`` (events so far), and ``scale_min`` and ``scale_max`` over every tensor where
+        there are scales (delayed scaling, once allocated: current scaling keeps none between steps)."""
         if not self.groups:
             count = float(self.current_nonfinite.item()) if self.current_nonfinite is not None else 0.0
-            return {"nonfinite_amax": count, "scale_min": 1.0, "scale_max": 1.0}
+            return {"nonfinite_amax": count}
         scales = torch.cat([g.scale for g in self.groups.values()])
         nonfinite = sum(g.nonfinite.sum() for g in self.groups.values())
         values = torch.stack([nonfinite.to(torch.float64), scales.min().double(), scales.max().double()]).tolist()

@@ -451,8 +451,13 @@ class FP8LinearBase(nn.Module):
             _warn_once(f"device:{x.device.type}", f"lightning_fuse: running in high precision: {why}")
             return None
         if x.dtype not in _KERNEL_DTYPES:
-            _warn_once(f"dtype:{x.dtype}", f"lightning_fuse: running in high precision: input dtype {x.dtype} "
-                                           "has no FP8 path (float32, bfloat16 or float16 expected)")
+            message = (f"lightning_fuse: running in high precision: input dtype {x.dtype} has no FP8 path "
+                       "(float32, bfloat16 or float16 expected)")
+            unfused = self.activation is not None and _compute_dtype(x) not in _KERNEL_DTYPES
+            if unfused:  # one warning for both: the unfused fallback below would warn again
+                _WARNED.add(f"kernel-dtype:{_compute_dtype(x)}")
+                message += "; PyTorch's unfused linear and activation run instead"
+            _warn_once(f"dtype:{x.dtype}:{unfused}", message)
             return None
         if self.fp8_state is None:
             raise RuntimeError(f"{self._fqn()} has no FP8 state: create fused modules with fuse_(model), which registers "

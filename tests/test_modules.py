@@ -491,6 +491,29 @@ def test_float64_runs_pytorchs_own_ops_with_one_warning():
     assert torch.autograd.gradcheck(module, (torch.randn(3, 32, dtype=torch.float64, requires_grad=True),))
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling()], ids=["delayed", "current"])
+def test_float64_under_a_recipe_warns_once_for_both_fallbacks(recipe):
+    # No FP8 path and no fused kernel for float64: one warning saying both, not one for each.
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48).double()
+    reference = nn.Sequential(_clone_linear(linear).double(), nn.GELU())
+    module, _ = _bound(FusedLinearBiasActivation(linear, "gelu", emulate=True), "fc")
+    x = torch.randn(8, 32, dtype=torch.float64)
+    lightning_fuse.modules._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fp8_autocast(recipe):
+            y, dx = _run(module, x, torch.ones(8, 48, dtype=torch.float64))
+            _run(module, x, torch.ones(8, 48, dtype=torch.float64))
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 1, messages
+    assert "input dtype torch.float64 has no FP8 path" in messages[0]
+    assert "unfused linear and activation run instead" in messages[0]
+    y_ref, dx_ref = _run(reference, x, torch.ones(8, 48, dtype=torch.float64))
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref)
+
+
 @pytest.mark.parametrize("kind", ["fused", "plain"])
 def test_a_compiled_fp8_module_trains_like_the_eager_one(kind, monkeypatch):
     # Under torch.compile the FP8 weight copy is made in the graph, not looked up in the eager cache:

@@ -17,7 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from .autocast import fp8_autocast
-from .config import FuseConfig, make_fuse_config
+from .config import FuseConfig, make_fuse_config, resolve_module_filter
 from .fuse import FuseReport, fp8_state_of, fuse_
 from .modules import FP8LinearBase, fp8_device_problem
 from .recipe import DelayedScaling, Recipe, make_recipe
@@ -77,7 +77,9 @@ class FusedBackwardCallback(Callback):
         benchmark_tokens: tokens to time each shape with, measured at ``on_fit_start``; ``None``
             takes the real count from the first training batch (4096 for a module it did not run).
         fp8_eval: run validation, test and predict under the recipe too.
-        module_filter_fn: ``(module, fqn) -> bool``; a linear is swapped only where it returns ``True``.
+        module_filter_fn: ``(module, fqn) -> bool``; a linear is swapped only where it returns ``True``. From
+            a config file: the function's import path (``mypkg.filters.keep``), or a Hydra node
+            ``{_target_: mypkg.filters.keep_except, _partial_: true, names: [lm_head]}``.
         **fuse_config: ``FuseConfig`` fields (``convert``, ``activations``, ``exclude``, ``emulate``).
 
     Raises:
@@ -121,8 +123,7 @@ class FusedBackwardCallback(Callback):
         if benchmark_tokens is not None and (not isinstance(benchmark_tokens, int) or isinstance(benchmark_tokens, bool)
                                              or benchmark_tokens < 1):
             raise ValueError(f"`benchmark_tokens` must be a positive int or None; got {benchmark_tokens!r}")
-        if module_filter_fn is not None and not callable(module_filter_fn):
-            raise TypeError(f"`module_filter_fn` must be callable (module, fqn) -> bool; got {module_filter_fn!r}")
+        module_filter_fn = resolve_module_filter(module_filter_fn)  # a config file gives an import path or a node
         self.recipe: Optional[Recipe] = make_recipe(recipe) if recipe is not None else None
         self.benchmark = benchmark
         self.log_every_n_steps = log_every_n_steps

@@ -11,21 +11,26 @@ Build one from code (``FuseConfig(convert="all")``), from keyword arguments or a
 (``FuseConfig.create(**kwargs)``, ``make_fuse_config(dict_or_dictconfig)``); each rejects a
 misspelt key with the list of valid ones (the constructor with a ``TypeError``, the other two with a
 ``ValueError``).
+
+``resolve_module_filter`` turns the callback's ``module_filter_fn`` as a config file can give it (an
+import path, or a Hydra-style ``_target_`` node) into the callable ``fuse_`` takes.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib
 from dataclasses import dataclass, fields
 from collections.abc import Sequence
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_fuse.kernels import ACTIVATIONS
 
-__all__ = ["CONVERT_MODES", "FuseConfig", "make_fuse_config"]
+__all__ = ["CONVERT_MODES", "FuseConfig", "make_fuse_config", "resolve_module_filter"]
 
 CONVERT_MODES: Tuple[str, ...] = ("chains", "mlp", "all")
 
@@ -154,3 +159,62 @@ def make_fuse_config(config: Union[FuseConfig, Mapping[str, Any], DictConfig, No
         return OmegaConf.to_object(merged)
     except TypeError as err:
         raise ValueError(str(err)) from None
+
+
+_FILTER_FORMS = ("a callable (module, fqn) -> bool, the import path of one ('mypkg.filters.keep' or "
+                 "'mypkg.filters:keep'), a {_target_: ..., _partial_: true, ...} node, or None")
+
+
+def _import_object(path: Any, argument: str) -> Any:
+    """The object an import path names: ``pkg.mod.name`` or ``pkg.mod:name``."""
+    module_name, sep, name = path.partition(":") if isinstance(path, str) and ":" in path else \
+        (path.rpartition(".") if isinstance(path, str) else ("", "", ""))
+    if not (module_name and sep and name):
+        raise ValueError(f"`{argument}` must be an import path with a module and a name, such as "
+                         f"'mypkg.filters.keep'; got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not module_name.startswith(err.name):
+            raise  # the module exists but fails importing something of its own: say that, not "not found"
+        raise ValueError(f"`{argument}` {path!r}: no module named {module_name!r}") from None
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ValueError(f"`{argument}` {path!r}: module {module_name!r} has no attribute {name!r}") from None
+
+
+def resolve_module_filter(value: Any) -> Optional[Callable[[Any, str], bool]]:
+    """The module filter ``value`` gives: a callable as it is; an import path, imported; a mapping with
+    ``_target_`` as Hydra instantiates one (``_partial_: true`` binds the other keys as keyword
+    arguments of the filter itself; without it the target is called with them and must return the filter).
+
+    Raises:
+        ValueError: a path that does not import, or a mapping without ``_target_`` or with other ``_`` keys.
+        TypeError: a value of none of those forms, or one that does not give a callable.
+    """
+    if value is None or callable(value):
+        return value
+    if isinstance(value, str):
+        resolved = _import_object(value, "module_filter_fn")
+    elif isinstance(value, (Mapping, DictConfig)):
+        node = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value)
+        if "_target_" not in node:
+            raise ValueError(f"`module_filter_fn` as a mapping must have a `_target_` naming a function; got {node!r}")
+        target = _import_object(node.pop("_target_"), "module_filter_fn._target_")
+        partial = node.pop("_partial_", False)
+        special = sorted(k for k in node if str(k).startswith("_"))
+        if special:
+            raise ValueError(f"`module_filter_fn` takes only `_target_` and `_partial_` of Hydra's special keys; "
+                             f"got {special}")
+        if not isinstance(partial, bool):
+            raise TypeError(f"`module_filter_fn._partial_` must be a bool; got {partial!r}")
+        if not callable(target):
+            raise TypeError(f"`module_filter_fn._target_` must name a callable; got {target!r}")
+        resolved = functools.partial(target, **node) if partial else target(**node)
+    else:
+        raise TypeError(f"`module_filter_fn` must be {_FILTER_FORMS}; got {value!r} ({type(value).__name__})")
+    if not callable(resolved):
+        raise TypeError(f"`module_filter_fn` {value!r} gives {resolved!r}, which is not callable: expected "
+                        f"{_FILTER_FORMS}")
+    return resolved

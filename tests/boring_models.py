@@ -150,3 +150,8 @@ class TinyGPT2Model(LightningModule):
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, self.vocab_size, (16, self.block_size), generator=generator)
         return DataLoader(TensorDataset(tokens), batch_size=self.batch_size)
+
+
+def keep_except(module: nn.Module, fqn: str, names: tuple[str, ...] = ("mlp.2",)) -> bool:
+    """A module filter a config file can name by its import path: swap every linear but ``names``."""
+    return fqn not in names

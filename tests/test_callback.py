@@ -680,17 +680,32 @@ def test_model_pickles_after_fp8_training(tmp_path):
     ({"recipe": 8}, TypeError, r"`recipe` must be a DelayedScaling, CurrentScaling"),
     ({"convert": "everything"}, ValueError, r"`convert` must be one of chains, mlp, all; got 'everything'"),
     ({"activations": ["gleu"]}, ValueError, r"`activations` holds an unknown activation 'gleu'"),
-    ({"module_filter_fn": "lm_head"}, TypeError, r"`module_filter_fn` must be callable"),
+    ({"module_filter_fn": "lm_head"}, ValueError, r"`module_filter_fn` must be an import path with a module and a "
+                                                   r"name, such as 'mypkg.filters.keep'; got 'lm_head'"),
+    ({"module_filter_fn": "boring_models.keep_all"}, ValueError, r"module 'boring_models' has no attribute 'keep_all'"),
+    ({"module_filter_fn": "no_such_package.keep"}, ValueError, r"no module named 'no_such_package'"),
+    ({"module_filter_fn": "boring_models.D_MODEL"}, TypeError, r"gives \d+, which is not callable"),
+    ({"module_filter_fn": {"names": ["mlp.2"]}}, ValueError, r"must have a `_target_` naming a function"),
+    ({"module_filter_fn": {"_target_": "boring_models.keep_except", "_partial_": True, "_convert_": "all"}},
+     ValueError, r"takes only `_target_` and `_partial_` of Hydra's special keys; got \['_convert_'\]"),
+    ({"module_filter_fn": 3}, TypeError, r"`module_filter_fn` must be a callable \(module, fqn\) -> bool, the import "
+                                         r"path of one .*; got 3 \(int\)"),
 ])
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         FusedBackwardCallback(**kwargs)
 
 
-def test_module_filter_fn_is_applied(tmp_path):
+@pytest.mark.parametrize("module_filter_fn", [
+    lambda module, fqn: fqn != "mlp.2",
+    "boring_models.keep_except",  # as a config file names it
+    "boring_models:keep_except",
+    {"_target_": "boring_models.keep_except", "_partial_": True, "names": ["mlp.2"]},
+], ids=["callable", "path", "colon-path", "partial-node"])
+def test_module_filter_fn_is_applied(tmp_path, module_filter_fn):
     torch.manual_seed(0)
     model = BoringMLPModel()
-    callback = FusedBackwardCallback(emulate=True, benchmark="off", module_filter_fn=lambda module, fqn: fqn != "mlp.2")
+    callback = FusedBackwardCallback(emulate=True, benchmark="off", module_filter_fn=module_filter_fn)
     make_trainer(tmp_path, [callback], max_steps=1).fit(model)
     # mlp.2 is rejected by the filter; the chain mlp.0 -> GELU is still fused
     assert [type(m) for m in model.mlp] == [FusedLinearBiasActivation, nn.Identity, nn.Linear]

@@ -7,6 +7,7 @@ The configs are composed with Hydra's compose API, as the example's ``@hydra.mai
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,21 @@ def test_fused_backward_config_spells_out_the_defaults():
     assert configured.fuse_config.activations == ACTIVATIONS
     for attr in ("benchmark", "log_every_n_steps", "benchmark_tokens", "fp8_eval", "module_filter_fn"):
         assert getattr(configured, attr) == getattr(default, attr), attr
+
+
+@pytest.mark.parametrize("override", [
+    "callbacks.module_filter_fn=boring_models.keep_except",
+    "callbacks.module_filter_fn={_target_:boring_models.keep_except,_partial_:true,names:[mlp.0]}",
+], ids=["path", "partial-node"])
+def test_module_filter_fn_comes_from_the_config(override):
+    # The callback's config is not instantiated recursively (_recursive_: false): the filter arrives as a
+    # string or a DictConfig, which the callback resolves to the function itself.
+    callback = instantiate(compose_config("callbacks/fused_backward", (override,)).callbacks)
+    expected_rejected = "mlp.0" if "names" in override else "mlp.2"
+    assert callback.module_filter_fn(None, expected_rejected) is False
+    assert callback.module_filter_fn(None, "mlp.1") is True
+    clone = pickle.loads(pickle.dumps(callback))  # ddp_spawn pickles the callbacks
+    assert clone.module_filter_fn(None, expected_rejected) is False
 
 
 @pytest.mark.parametrize("name", RECIPE_CONFIGS)

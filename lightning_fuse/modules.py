@@ -235,6 +235,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             h, y = _add_bias_and_activate(h, later_bias, activation)
         else:
             # One pass: bias, activation, and the consumer's FP8 input (row-wise, transposed, amax).
+            plan.state.begin_hand_off(2 * consumer.fp8_index)  # taken back if the consumer gets another input
             scale_c, scale_inv_c, amax_c = plan.state.slot("forward", 2 * consumer.fp8_index)
             consumer_wgrad = consumer.weight.requires_grad and plan.grad_enabled
             y, yq, yq_t = bias_act(h, later_bias, activation, scale=scale_c, fp8_dtype=recipe.forward_dtype,
@@ -527,15 +528,19 @@ class FP8LinearBase(nn.Module):
             )
         # An input's FP8 copies handed over by the chain before (link_consumer): used once, or dropped.
         handed = None if torch.compiler.is_compiling() else self.__dict__.pop("_fp8_input", None)
-        if not self.fused:
-            return self._plain_forward(x)
-        fp8 = self._fp8_recipe(x)
+        fp8 = self._fp8_recipe(x) if self.fused else None
+        usable = False
         if fp8 is not None:
             grad_enabled = torch.is_grad_enabled()
             need_wgrad = self.weight.requires_grad and grad_enabled
             # Only for that very tensor, unchanged since, with the transposed copy when wgrad needs it.
             usable = (handed is not None and handed[0] is x and handed[1] == x._version
                       and (handed[3] is not None or not need_wgrad) and isinstance(fp8, DelayedScaling))
+        if handed is not None:  # an unused copy's amax is not this input's: the state takes it back
+            self.fp8_state.end_hand_off(2 * self.fp8_index, usable)
+        if not self.fused:
+            return self._plain_forward(x)
+        if fp8 is not None:
             plan = _FP8Plan(self, fp8, self.fp8_state, _compute_dtype(x), need_wgrad,
                             handed[2:] if usable else None, grad_enabled)
             y = _FP8LinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.bias, plan)

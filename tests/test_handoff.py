@@ -182,3 +182,49 @@ def test_the_row_wise_copy_handed_over_is_freed_after_the_consumer_forward():
     del y
     gc.collect()
     assert transposed() is None
+
+
+def _pair(linked):
+    torch.manual_seed(11)
+    fc = FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True)
+    proj = FP8Linear(nn.Linear(32, 16), emulate=True)
+    state = FP8ScalingState()
+    fc.bind_fp8_state(state, "fc")
+    proj.bind_fp8_state(state, "proj")
+    if linked:
+        fc.link_consumer(proj)
+    return fc, proj, state
+
+
+_SEQUENCES = {
+    # what runs between the chain and its consumer; the consumer's input amax must be what it quantized
+    "changed-in-place": lambda fc, proj, x: proj(fc(x).mul_(0.25)),
+    "other-tensor": lambda fc, proj, x: proj(fc(x) * 0.25),
+    "consumer-not-called": lambda fc, proj, x: fc(x),
+    "two-chain-calls-first-consumed": lambda fc, proj, x: (lambda a, b: proj(a))(fc(x), fc(x * 4.0)),
+    "two-chain-calls-both-consumed": lambda fc, proj, x: (lambda a, b: (proj(a), proj(b)))(fc(x * 4.0), fc(x)),
+    "consumer-unfused": lambda fc, proj, x: (setattr(proj, "fused", False), proj(fc(x)), setattr(proj, "fused", True)),
+    "used": lambda fc, proj, x: proj(fc(x)),
+}
+
+
+@pytest.mark.parametrize("sequence", list(_SEQUENCES))
+def test_an_unused_hand_off_leaves_no_amax_behind(sequence):
+    # The chain's pass max-reduces its output's amax into the consumer's input slot when it writes the
+    # FP8 copy. A consumer that then quantizes another tensor (or none) must record only that tensor's
+    # amax, as an unlinked consumer does: a larger stale amax would shrink its scale for as many steps
+    # as the history holds.
+    x = torch.randn(8, 16) * 3.0
+    histories = []
+    for linked in (True, False):
+        fc, proj, state = _pair(linked)
+        with fp8_autocast(DelayedScaling(amax_history_len=4), update_scales=False):
+            _SEQUENCES[sequence](fc, proj, x)
+        newest = state.groups["forward"].history[0].clone()
+        with fp8_autocast(DelayedScaling(amax_history_len=4)):  # a step that updates: pending hand-offs settle first
+            _SEQUENCES[sequence](fc, proj, x)
+        histories.append((newest, state.groups["forward"].history.clone(), state.groups["forward"].scale.clone()))
+    (newest_a, history_a, scale_a), (newest_b, history_b, scale_b) = histories
+    if sequence != "consumer-not-called":  # (that hand-off stays pending until the update: proj may still run)
+        assert torch.equal(newest_a[2], newest_b[2]), (newest_a, newest_b)  # slot 2: proj's input
+    assert torch.equal(history_a, history_b) and torch.equal(scale_a, scale_b)

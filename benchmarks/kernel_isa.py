@@ -106,18 +106,28 @@ def sass_and_registers(ptx: str) -> tuple[str, int]:
 
 
 def loop_body(sass: str) -> list[str]:
-    """Opcodes of the row loop: the instructions between the target of the one backward branch and it."""
+    """Opcodes of one iteration of the row loop: the instructions between the target of the outermost
+    backward branch and it, less any block a forward branch skips that holds a loop of its own (work a
+    program does once, on its last row tile, such as summing the bias gradient's partials)."""
     instructions = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
         if m:
             instructions.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    branches = []  # (address, target)
     for address, opcode, operands in instructions:
         target = re.match(r"\s+(0x[0-9a-f]+)", operands)
-        if opcode == "BRA" and target and int(target.group(1), 16) < address:
-            start = int(target.group(1), 16)
-            return [op for a, op, _ in instructions if start <= a <= address]
-    raise ValueError("no loop found in the SASS")
+        if opcode == "BRA" and target:
+            branches.append((address, int(target.group(1), 16)))
+    loops = [(target, address) for address, target in branches if target < address]
+    if not loops:
+        raise ValueError("no loop found in the SASS")
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    skipped = [(address, target) for address, target in branches
+               if start <= address < target <= end
+               and any(address < inner_start and inner_end < target for inner_start, inner_end in loops)]
+    return [op for a, op, _ in instructions
+            if start <= a <= end and not any(first < a < target for first, target in skipped)]
 
 
 def analyse(name, case, copy_gbps, sms, clock_ghz, dump: Path | None = None) -> dict:

@@ -70,3 +70,32 @@ def test_only_the_bias_gradient_arrival_fences(isa_rows):
     for name, row in isa_rows.items():
         expected = 0 if name.startswith(("quantize", "bias_act")) else 1
         assert row["fences"] == expected, (name, row["fences"])
+
+
+def _sass(*lines):
+    """SASS text as cuobjdump prints it: ``(opcode, operands)`` at addresses 0x0000, 0x0010, ..."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {op} {operands} ;" for i, (op, operands) in
+                     enumerate(lines))
+
+
+def test_the_loop_counted_is_the_row_loop_less_its_once_only_block():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from kernel_isa import loop_body
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    straight = _sass(("MOV", "R0, R1"), ("FADD", "R2, R2, R3"), ("FMUL", "R4, R2, R2"), ("@P0 BRA", "0x10"),
+                     ("EXIT", ""))
+    assert loop_body(straight) == ["FADD", "FMUL", "BRA"]
+    # A row loop (0x10-0x90) holding a block run on the last tile only (skipped by the branch at 0x30,
+    # itself a loop summing partials, 0x40-0x60): one iteration is the rest.
+    nested = _sass(("MOV", "R0, R1"), ("FADD", "R2, R2, R3"), ("FMUL", "R4, R2, R2"), ("@!P1 BRA", "0x80"),
+                   ("LDG.E", "R5, [R6]"), ("FADD", "R7, R7, R5"), ("@P2 BRA", "0x40"), ("STG.E", "[R8], R7"),
+                   ("F2FP.BF16", "R9, R4"), ("@P0 BRA", "0x10"), ("EXIT", ""))
+    assert loop_body(nested) == ["FADD", "FMUL", "BRA", "F2FP.BF16", "BRA"]
+    # A forward branch over a block without a loop (a masked tail, say) is part of the iteration.
+    guarded = _sass(("MOV", "R0, R1"), ("FADD", "R2, R2, R3"), ("@!P1 BRA", "0x40"), ("STG.E", "[R8], R2"),
+                    ("@P0 BRA", "0x10"), ("EXIT", ""))
+    assert loop_body(guarded) == ["FADD", "BRA", "STG.E", "BRA"]
+    with pytest.raises(ValueError, match="no loop"):
+        loop_body(_sass(("MOV", "R0, R1"), ("EXIT", "")))

@@ -67,10 +67,10 @@ def _check(name, ours, theirs):
     return ok, exact
 
 
-def _dact_reference(grad, pre, scale, fp8_dtype):
+def _dact_reference(grad, pre, scale, fp8_dtype, activation="gelu_tanh"):
     """float64 reference of the fused kernel (PyTorch's fp32 gelu_backward loses accuracy for large
     negative inputs, where 1 + tanh cancels)."""
-    dx = grad.double() * activation_derivative_reference(pre.double(), "gelu_tanh")
+    dx = grad.double() * activation_derivative_reference(pre.double(), activation)
     fmax = FP8_MAX[fp8_dtype]
     q = (dx * scale.double()).clamp(-fmax, fmax).float().to(fp8_dtype)
     return q, q.t().contiguous(), dx.sum(0).float()
@@ -202,8 +202,13 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", "
     return rows
 
 
-def bench(sizes, dtypes, copy_gbps, out_dir):
+# the fused pass's GELUs: ours by name, and gelu_backward's `approximate` for the eager sequence
+GELUS = {"gelu_tanh": "tanh", "gelu": "none"}
+
+
+def bench(sizes, dtypes, copy_gbps, out_dir, activation="gelu_tanh", passes=None):
     rows = []
+    fused = "dact_dbias_quantize" if activation == "gelu_tanh" else f"dact_dbias_quantize {activation}"
     for (m, n), (dname, dtype) in itertools.product(sizes, dtypes.items()):
         grad = torch.randn(m, n, device="cuda", dtype=dtype)
         pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
@@ -211,11 +216,11 @@ def bench(sizes, dtypes, copy_gbps, out_dir):
         amax = torch.zeros(1, device="cuda")
         eb = grad.element_size()
         cases = {
-            "dact_dbias_quantize": (
-                lambda: dact_dbias_quantize(grad, pre, "gelu_tanh", scale=scale, fp8_dtype=GRAD, amax=amax,
+            fused: (
+                lambda: dact_dbias_quantize(grad, pre, activation, scale=scale, fp8_dtype=GRAD, amax=amax,
                                             transpose=True),
-                lambda: unfused_dact_dbias_quantize(grad, pre, "tanh", scale, GRAD, amax),
-                lambda: _dact_reference(grad, pre, scale, GRAD),
+                lambda: unfused_dact_dbias_quantize(grad, pre, GELUS[activation], scale, GRAD, amax),
+                lambda: _dact_reference(grad, pre, scale, GRAD, activation),
                 m * n * (2 * eb + 2)),
             "dbias_quantize": (
                 lambda: dbias_quantize(grad, scale=scale, fp8_dtype=GRAD, amax=amax, transpose=True),
@@ -229,6 +234,8 @@ def bench(sizes, dtypes, copy_gbps, out_dir):
                 m * n * (eb + 2)),
         }
         for name, (ours, eager, reference, nbytes) in cases.items():
+            if passes is not None and name.split()[0] not in passes:
+                continue
             _poison_like((m, n), (n, m))
             ok, exact = _check(f"{name} {m}x{n} {dname}", ours(), reference())
             compiled = torch.compile(eager, dynamic=False)
@@ -253,8 +260,8 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     kernels = sorted({r["kernel"] for r in rows})
-    fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 4), sharey=True)
-    for ax, kernel in zip(axes, kernels):
+    fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 4), sharey=True, squeeze=False)
+    for ax, kernel in zip(axes[0], kernels):
         sub = [r for r in rows if r["kernel"] == kernel]
         labels = [f"{r['M']}x{r['N']}\n{r['dtype']}" for r in sub]
         x = range(len(sub))
@@ -296,7 +303,16 @@ def main():
     parser.add_argument("--sweep-cyclic", action="store_true",
                         help="time every configuration with contiguous and with cyclic row tiles")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
+    parser.add_argument("--activation", choices=sorted(GELUS), default="gelu_tanh",
+                        help="the fused pass's GELU (the eager sequence's gelu_backward takes the same one)")
+    parser.add_argument("--passes", help="time only these passes, comma-separated (default: every pass)")
     args = parser.parse_args()
+    passes = None
+    if args.passes:
+        passes = args.passes.split(",")
+        unknown = sorted(set(passes) - {"dact_dbias_quantize", "dbias_quantize", "quantize"})
+        if unknown:
+            parser.error(f"--passes: unknown pass(es) {unknown}; passes: dact_dbias_quantize, dbias_quantize, quantize")
     sizes = parse_sizes(args.sizes)
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
@@ -340,7 +356,7 @@ def main():
         print_table(list(best.values()), columns)
         if args.sweep_only:
             return
-    rows = bench(sizes, DTYPES, copy_gbps, args.out)
+    rows = bench(sizes, DTYPES, copy_gbps, args.out, activation=args.activation, passes=passes)
     out = write_results(args.out, "kernels", rows, extra)
     plot(rows, out / "kernels.png")
     print(f"copy bandwidth {copy_gbps:.0f} GB/s")

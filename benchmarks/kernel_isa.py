@@ -60,9 +60,9 @@ def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
             constants, rule.num_warps, bytes_per_element)
 
 
-def _bias_act_case():
+def _bias_act_case(activation=2):
     rule = LAUNCH_RULES["bias_act"]
-    constants = dict(ACTIVATION=2, HAS_BIAS=False, STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True,
+    constants = dict(ACTIVATION=activation, HAS_BIAS=False, STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True,
                      COMPUTE_AMAX=True, ENCODER=1, LOOP_STAGES=rule.loop_stages or None,
                      CYCLIC_ROWS=False, PREFETCH=rule.prefetch, INDEX_64=False, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return _bias_act_kernel, _BIAS_ACT_ARGS, _BIAS_ACT_TYPES, {"stride_h_n": 1}, constants, rule.num_warps, 6
@@ -78,6 +78,7 @@ CASES = {
     "dbias_quantize": _dact_case("dbias_quantize", 0, 4),
     "quantize": _dact_case("quantize", 0, 4),
     "bias_act gelu_tanh": _bias_act_case(),
+    "bias_act gelu": _bias_act_case(1),
 }
 
 

@@ -47,15 +47,9 @@ _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
-def _sigmoid(t):
-    """``sigmoid(z)`` from ``t = -z log2(e)``: ``1 / (1 + 2^t)``, 0 where ``2^t`` overflows. Callers fold
-    ``-log2(e)`` into their constants, which saves the multiply ``exp`` would add.
-
-    The reciprocal is ``rcp.approx.ftz.f32`` (1 ulp; ``1 + 2^t >= 1``, so flushing subnormals only
-    turns results below 2^-126 into 0): one instruction, where the approximate division
-    ``tl.fdiv`` adds a range check, a select and three multiplies around it (4 of the fused
-    gelu_tanh backward's 30.8 instructions per element; BENCHMARKS.md)."""
-    d = 1.0 + tl.math.exp2(t)
+def _rcp(d):
+    """``1 / d`` as ``rcp.approx.ftz.f32`` (1 ulp; results below 2^-126 flush to 0): one instruction,
+    where the approximate division ``tl.fdiv`` adds a range check, a select and three multiplies."""
     if _PTX:
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], dtype=tl.float32,
                                          is_pure=True, pack=1)
@@ -64,10 +58,46 @@ def _sigmoid(t):
 
 
 @triton.jit
+def _gaussian_and_tail(x):
+    """``(e, h)`` with ``e = exp(-x^2 / 2)`` and ``e h = 0.5 erfc(|x| / sqrt 2)``, the normal
+    distribution's tail beyond ``|x|``: ``Phi(x) = e h`` for ``x < 0`` and ``1 - e h`` otherwise.
+
+    ``h`` is ``0.5 erfcx(|x| / sqrt 2)`` as a degree-8 polynomial in ``t = 1 / (1 + 0.2275 |x|)``
+    (``tools/fit_gelu_erf.py``: 3.2e-8 largest relative error for ``|x| <= 13.3``; past that ``e``
+    is 0). One reciprocal and eight multiply-adds on top of the exponential the derivative's
+    ``x phi(x)`` needs anyway, where libdevice's ``erf`` took about 25 instructions per element."""
+    t = _rcp(1.0 + 0.2275 * tl.abs(x))
+    h = -0.08640581643174418 * t + 0.33777916452683104
+    h = h * t - 0.3623132796459131
+    h = h * t + 0.3842278919547299
+    h = h * t - 0.08278050219622743
+    h = h * t + 0.137061759801604
+    h = h * t + 0.08057194807434662
+    h = h * t + 0.09191574415610831
+    h = h * t - 5.691211351321824e-05
+    e = tl.math.exp2(-0.7213475204444817 * x * x)  # -log2(e) / 2
+    return e, h
+
+
+@triton.jit
+def _sigmoid(t):
+    """``sigmoid(z)`` from ``t = -z log2(e)``: ``1 / (1 + 2^t)``, 0 where ``2^t`` overflows. Callers fold
+    ``-log2(e)`` into their constants, which saves the multiply ``exp`` would add.
+
+    The reciprocal is ``rcp.approx.ftz.f32`` (1 ulp; ``1 + 2^t >= 1``, so flushing subnormals only
+    turns results below 2^-126 into 0): one instruction, where the approximate division
+    ``tl.fdiv`` adds a range check, a select and three multiplies around it (4 of the fused
+    gelu_tanh backward's 30.8 instructions per element; BENCHMARKS.md)."""
+    return _rcp(1.0 + tl.math.exp2(t))
+
+
+@triton.jit
 def act_forward(x, ACTIVATION: tl.constexpr):
     """``act(x)`` for fp32 ``x``."""
     if ACTIVATION == 1:
-        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        e, h = _gaussian_and_tail(x)
+        tail = e * h
+        return x * tl.where(x < 0.0, tail, 1.0 - tail)
     elif ACTIVATION == 2:
         # 0.5 (1 + tanh(u)) == sigmoid(2 u), without the cancellation for large negative x;
         # -2 u log2(e) = x (-2.302208198144325 - 0.1029432395800235 * x^2).
@@ -90,9 +120,9 @@ def act_forward(x, ACTIVATION: tl.constexpr):
 def act_derivative(x, ACTIVATION: tl.constexpr):
     """``act'(x)`` for fp32 ``x``."""
     if ACTIVATION == 1:
-        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        pdf = 0.3989422804014327 * tl.math.exp2(-0.7213475204444817 * x * x)
-        return cdf + x * pdf
+        # Phi(x) + x phi(x) = [x >= 0] + e (x / sqrt(2 pi) -/+ h): the one exponential serves both terms.
+        e, h = _gaussian_and_tail(x)
+        return tl.where(x < 0.0, 0.0, 1.0) + e * (0.3989422804014327 * x + tl.where(x < 0.0, h, -h))
     elif ACTIVATION == 2:
         # With s = sigmoid(2 u): 0.5 (1 + tanh u) = s and 0.5 (1 - tanh(u)^2) = 2 s (1 - s), so
         # act' = s + x s (1 - s) (2 du/dx), 2 du/dx = 1.5957691216057308 + 0.21406444881780076 * x^2.

@@ -907,3 +907,28 @@ def test_outputs_and_amax_carry_no_autograd_history(monkeypatch, interpret):
     expected = max(w.detach().abs().max().item(), _reference(w.detach(), w.detach(), "gelu").abs().max().item())
     assert history[0, 1].item() >= expected * (1 - 1e-6) and history.count_nonzero().item() == 1
     assert torch.equal(pre, w.detach())
+
+
+def test_erf_gelu_is_float32_accurate_across_its_range():
+    # The erf GELU's kernels take 0.5 erfc from a polynomial fit (kernels/activations.py) instead of
+    # libdevice's erf: within a few float32 ulps of float64 everywhere, its tails and zero included.
+    x = torch.cat([torch.linspace(-14.0, 14.0, 70_001)[:-1],  # step 4e-4
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 1e4, -1e4])]).to(DEVICE)
+    x2 = x.reshape(-1, 8)
+    x64 = x2.double()
+    dx, _, _ = dact_dbias_quantize(torch.ones_like(x2), x2, "gelu")
+    derivative = activation_derivative_reference(x64, "gelu")
+    assert (dx.double() - derivative).abs().max().item() < 3e-7  # the derivative is at most 1.13
+    y, _, _ = bias_act(x2, None, "gelu")
+    forward = activation_reference(x64, "gelu")
+    assert ((y.double() - forward).abs() / x64.abs().clamp_min(1.0)).max().item() < 3e-7
+    # The tails are exact: 0 and 1 for the derivative, 0 and x for the activation, once exp(-x^2 / 2)
+    # is 0 in float32 (|x| > 14.5).
+    far = x2.abs() > 14.5
+    assert torch.equal(dx[far], (x2[far] > 0).float()) and torch.equal(y[far], torch.where(x2[far] > 0, x2[far], 0.0))
+    special = torch.tensor([[float("nan"), float("inf"), float("-inf"), 0.0]], device=DEVICE)
+    dx, _, _ = dact_dbias_quantize(torch.ones_like(special), special, "gelu")
+    y, _, _ = bias_act(special, None, "gelu")
+    # as PyTorch's own formula gives: NaN stays NaN; x * pdf(x) at +-inf is inf * 0
+    torch.testing.assert_close(dx, activation_derivative_reference(special, "gelu"), equal_nan=True)
+    torch.testing.assert_close(y, activation_reference(special, "gelu"), equal_nan=True)

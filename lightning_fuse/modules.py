@@ -129,9 +129,9 @@ class _FP8Plan:
     state: Optional[FP8ScalingState]
     dtype: torch.dtype
     need_wgrad: bool  # decided outside the autograd function, where grad mode is still visible
-    handed: Optional[tuple] = None  # the input's (FP8, FP8 transposed, scale_inv), written by the producing chain
+    handed: Optional[tuple] = None  # the input's (FP8, FP8 transposed, scale_inv, amax), written by the producing chain
     grad_enabled: bool = True  # grad mode at the call (the autograd function's forward runs without it)
-    handoff: Optional[tuple] = None  # set by the forward: (consumer, FP8, FP8 transposed, scale_inv) of the output
+    handoff: Optional[tuple] = None  # set by the forward: (consumer, FP8, FP8 transposed, scale_inv, amax) of the output
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -214,9 +214,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         index = module.fp8_index
         handed = plan.handed
         if handed is not None:
-            # The producing chain's activation pass already wrote this input's FP8 copies (and its amax).
-            xq, xq_t, scale_inv_x = handed
+            # The producing chain's activation pass already wrote this input's FP8 copies and its amax.
+            xq, xq_t, scale_inv_x, amax_handed = handed
             plan.handed = None  # the plan lives on in the backward's context, which needs no row-wise copy
+            amax_x = plan.state.slot("forward", 2 * index)[2]
+            torch.maximum(amax_x, amax_handed, out=amax_x)
         elif isinstance(recipe, DelayedScaling):
             scale_x, scale_inv_x, amax_x = plan.state.slot("forward", 2 * index)
             xq, xq_t = quantize(x2, scale=scale_x, fp8_dtype=recipe.forward_dtype, amax=amax_x, transpose=need_wgrad)
@@ -235,12 +237,14 @@ class _FP8LinearFunction(torch.autograd.Function):
             h, y = _add_bias_and_activate(h, later_bias, activation)
         else:
             # One pass: bias, activation, and the consumer's FP8 input (row-wise, transposed, amax).
-            plan.state.begin_hand_off(2 * consumer.fp8_index)  # taken back if the consumer gets another input
             scale_c, scale_inv_c, amax_c = plan.state.slot("forward", 2 * consumer.fp8_index)
+            # The output's amax goes into the consumer's history only if the consumer uses this copy (it
+            # may get another input, or none): it does so itself, from this tensor.
+            amax_y = torch.zeros_like(amax_c)
             consumer_wgrad = consumer.weight.requires_grad and plan.grad_enabled
             y, yq, yq_t = bias_act(h, later_bias, activation, scale=scale_c, fp8_dtype=recipe.forward_dtype,
-                                   amax=amax_c, transpose=consumer_wgrad, pre_act_out=h)
-            plan.handoff = (consumer, yq, yq_t, scale_inv_c)
+                                   amax=amax_y, transpose=consumer_wgrad, pre_act_out=h)
+            plan.handoff = (consumer, yq, yq_t, scale_inv_c, amax_y)
         ctx.plan = plan
         ctx.has_bias = bias is not None
         ctx.save_for_backward(h if activation else None, xq_t if need_wgrad else None, w_kn, scale_inv_x, scale_inv_w)
@@ -528,27 +532,23 @@ class FP8LinearBase(nn.Module):
             )
         # An input's FP8 copies handed over by the chain before (link_consumer): used once, or dropped.
         handed = None if torch.compiler.is_compiling() else self.__dict__.pop("_fp8_input", None)
-        fp8 = self._fp8_recipe(x) if self.fused else None
-        usable = False
+        if not self.fused:
+            return self._plain_forward(x)
+        fp8 = self._fp8_recipe(x)
         if fp8 is not None:
             grad_enabled = torch.is_grad_enabled()
             need_wgrad = self.weight.requires_grad and grad_enabled
             # Only for that very tensor, unchanged since, with the transposed copy when wgrad needs it.
             usable = (handed is not None and handed[0] is x and handed[1] == x._version
                       and (handed[3] is not None or not need_wgrad) and isinstance(fp8, DelayedScaling))
-        if handed is not None:  # an unused copy's amax is not this input's: the state takes it back
-            self.fp8_state.end_hand_off(2 * self.fp8_index, usable)
-        if not self.fused:
-            return self._plain_forward(x)
-        if fp8 is not None:
             plan = _FP8Plan(self, fp8, self.fp8_state, _compute_dtype(x), need_wgrad,
                             handed[2:] if usable else None, grad_enabled)
             y = _FP8LinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.bias, plan)
             out = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
             if plan.handoff is not None:
-                consumer, yq, yq_t, scale_inv = plan.handoff
+                consumer, yq, yq_t, scale_inv, amax_y = plan.handoff
                 plan.handoff = None  # the plan lives on in the backward's context: it must not keep these alive
-                consumer.__dict__["_fp8_input"] = (out, out._version, yq, yq_t, scale_inv)
+                consumer.__dict__["_fp8_input"] = (out, out._version, yq, yq_t, scale_inv, amax_y)
             return out
         if self.activation is None:
             return self._plain_forward(x)

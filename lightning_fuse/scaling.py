@@ -118,16 +118,10 @@ class FP8ScalingState:
         self.steps = 0
         self._pending: Optional[dict[str, Any]] = None  # loaded state waiting for a device
         self.current_nonfinite: Optional[torch.Tensor] = None  # non-finite amaxes seen under CurrentScaling
-        # forward slot -> (its amax, the amax's value before a chain's pass wrote its output's amax there)
-        self._handed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         _STATES[id(self)] = self
-
-    def __getstate__(self) -> dict[str, Any]:  # a hand-off in flight belongs to this copy's forward alone
-        return {**self.__dict__, "_handed": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled or copied: known by id too
         self.__dict__.update(state)
-        self.__dict__.setdefault("_handed", {})
         _STATES[id(self)] = self
 
     # -- registration and storage -------------------------------------------------------------
@@ -184,26 +178,6 @@ class FP8ScalingState:
         scales, scale_invs, amaxes = g.views()
         return scales[index], scale_invs[index], amaxes[index]
 
-    # -- hand-offs ----------------------------------------------------------------------------
-
-    def begin_hand_off(self, index: int) -> None:
-        """Called before a chain's activation pass max-reduces its output's amax into forward slot
-        ``index`` (its consumer's input) while writing the consumer's FP8 copy: keeps the amax's value
-        before, so that ``end_hand_off`` can take the write back if the consumer never uses that copy.
-        An earlier hand-off to the same slot that no consumer settled is taken back first."""
-        self.end_hand_off(index, used=False)
-        amax = self.slot("forward", index)[2]
-        self._handed[index] = (amax, amax.clone())
-
-    def end_hand_off(self, index: int, used: bool) -> None:
-        """Settles the hand-off to forward slot ``index``, if one is pending: kept when the consumer
-        ``used`` the copy; else the amax goes back to its value before (the consumer quantizes its real
-        input itself, and records that amax)."""
-        pending = self._handed.pop(index, None)
-        if pending is not None and not used:
-            amax, before = pending
-            amax.copy_(before)  # (a history replaced since is no longer read: harmless)
-
     # -- updates ------------------------------------------------------------------------------
 
     @_outside_inference_mode
@@ -221,9 +195,6 @@ class FP8ScalingState:
         groups = [g for g in groups if g in self.groups]
         if not groups:
             return
-        if "forward" in groups:  # hand-offs whose consumer never ran this step: not its input's amax
-            for index in list(self._handed):
-                self.end_hand_off(index, used=False)
         if recipe.reduce_amax and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             newest = torch.cat([self.groups[g].history[0] for g in groups])
             # A NaN does not survive a MAX all-reduce on every backend (gloo keeps it or not by rank

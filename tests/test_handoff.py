@@ -228,3 +228,25 @@ def test_an_unused_hand_off_leaves_no_amax_behind(sequence):
     if sequence != "consumer-not-called":  # (that hand-off stays pending until the update: proj may still run)
         assert torch.equal(newest_a[2], newest_b[2]), (newest_a, newest_b)  # slot 2: proj's input
     assert torch.equal(history_a, history_b) and torch.equal(scale_a, scale_b)
+
+
+def test_a_compiled_consumer_records_its_own_input_amax(monkeypatch):
+    # A compiled consumer never takes a hand-off (the graph quantizes its input itself), so the eager
+    # chain's copy goes unused and its amax must not count, nor erase what the graph recorded.
+    x = torch.randn(8, 16) * 3.0
+    results = []
+    for linked in (True, False):
+        fc, proj, state = _pair(linked)
+        compiled = torch.compile(proj, backend="aot_eager")
+        with fp8_autocast(DelayedScaling(amax_history_len=4)):
+            monkeypatch.setenv("TRITON_INTERPRET", "1")  # the chain's kernels (a hand-off needs them)
+            h = fc(x) * 0.25 if not linked else fc(x)
+            if linked:
+                h.mul_(0.25)
+            monkeypatch.setenv("TRITON_INTERPRET", "0")  # a triton_op cannot compile on CPU: its references
+            compiled(h)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        results.append((state.groups["forward"].history[:, 2].clone(), state.groups["forward"].scale[2].clone()))
+    (history_a, scale_a), (history_b, scale_b) = results
+    assert history_b.max() > 0
+    assert torch.equal(history_a, history_b) and torch.equal(scale_a, scale_b)

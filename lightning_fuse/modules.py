@@ -458,10 +458,11 @@ class FP8LinearBase(nn.Module):
         if x.dtype not in _KERNEL_DTYPES:
             message = (f"lightning_fuse: running in high precision: input dtype {x.dtype} has no FP8 path "
                        "(float32, bfloat16 or float16 expected)")
-            unfused = self.activation is not None and _compute_dtype(x) not in _KERNEL_DTYPES
+            unfused = _compute_dtype(x) not in _KERNEL_DTYPES
             if unfused:  # one warning for both: the unfused fallback below would warn again
                 _WARNED.add(f"kernel-dtype:{_compute_dtype(x)}")
-                message += "; PyTorch's unfused linear and activation run instead"
+                message += "; PyTorch's own linear and activation run instead"
+            # one key for chains and plain FP8 linears alike: a fused MLP warns once
             _warn_once(f"dtype:{x.dtype}:{unfused}", message)
             return None
         if self.fp8_state is None:

@@ -508,10 +508,25 @@ def test_float64_under_a_recipe_warns_once_for_both_fallbacks(recipe):
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert len(messages) == 1, messages
     assert "input dtype torch.float64 has no FP8 path" in messages[0]
-    assert "unfused linear and activation run instead" in messages[0]
+    assert "PyTorch's own linear and activation run instead" in messages[0]
     y_ref, dx_ref = _run(reference, x, torch.ones(8, 48, dtype=torch.float64))
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(dx, dx_ref)
+
+
+def test_a_float64_mlp_under_a_recipe_warns_once():
+    # The chain and the FP8Linear after it fall back alike: one warning for the model, not one per kind.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)).double()
+    fuse_(model, FuseConfig(convert="mlp", emulate=True))
+    assert [type(m) for m in model] == [FusedLinearBiasActivation, nn.Identity, FP8Linear]
+    lightning_fuse.modules._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fp8_autocast(DelayedScaling()):
+            model(torch.randn(8, 32, dtype=torch.float64)).sum().backward()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 1, messages
 
 
 @pytest.mark.parametrize("kind", ["fused", "plain"])

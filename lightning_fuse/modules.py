@@ -147,6 +147,8 @@ def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("lightning_fuse::scaled_mm", mutates_args=())
 def _scaled_mm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                   bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    if a.device.type == "cpu":  # as eager mode runs it there
+        return _emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 
@@ -186,8 +188,48 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         scale_b = scale_b.reshape(())
     if torch.compiler.is_compiling():
         return _scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
+    if a.device.type == "cpu":
+        return _emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
+
+
+def _emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                        out_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``_scaled_mm`` on CPU (``emulate=True``): the FP8 operands widened to float32 (exactly), one
+    float32 matmul, the scales and the bias applied to its result, as cuBLASLt applies them to its
+    float32 accumulator.
+
+    ``torch._scaled_mm``'s own CPU kernel took 2.2 s for a 2048x128x512 e4m3 GEMM (1000 times this),
+    and it accepts operands cuBLASLt rejects; so the operands are checked here as the GPU would
+    take them: ``a`` row-major, ``b`` column-major, the contraction and output widths multiples of
+    16, not both e5m2, a bias only in the output's dtype, scales 16-byte aligned
+    (``tests/test_gpu.py`` checks each of these on the GPU).
+    """
+    (m, k), (k_b, n) = a.shape, b.shape
+    problems = []
+    if k != k_b:
+        problems.append(f"inner dimensions {k} and {k_b} differ")
+    if k % 16 or n % 16:
+        problems.append(f"contraction width {k} and output width {n} must be multiples of 16")
+    if a.stride(1) != 1 and m > 1:
+        problems.append(f"`a` must be row-major; got strides {a.stride()}")
+    if b.stride(0) != 1 and k_b > 1:
+        problems.append(f"`b` must be column-major; got strides {b.stride()}")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        problems.append("e5m2 x e5m2 has no cuBLASLt kernel")
+    if bias is not None and bias.dtype != out_dtype:
+        problems.append(f"a {bias.dtype} bias with {out_dtype} output")
+    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if scale.data_ptr() % 16:
+            problems.append(f"`{name}` not 16-byte aligned (cuBLASLt: CUBLAS_STATUS_NOT_SUPPORTED)")
+    if problems:
+        raise RuntimeError(f"FP8 GEMM {m}x{k} @ {k_b}x{n} ({a.dtype}, {b.dtype}) that cuBLASLt would reject: "
+                           + "; ".join(problems))
+    out = torch.mm(a.to(torch.float32), b.to(torch.float32)).mul_(scale_a.float() * scale_b.float())
+    if bias is not None:
+        out += bias.to(torch.float32)
+    return out.to(out_dtype)
 
 
 def _add_bias_and_activate(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]):

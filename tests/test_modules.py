@@ -641,3 +641,64 @@ def test_an_infinite_float16_gradient_reaches_the_weight_and_input_gradients(rec
     with fp8_autocast(recipe, update_scales=False):
         _, dx = _run(module, x, finite)
     assert torch.isfinite(dx).all() and torch.isfinite(linear.weight.grad).all()
+
+
+# -- the FP8 GEMM on CPU ------------------------------------------------------------------------------
+
+
+def _fp8_operand(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 4).to(dtype)
+
+
+@pytest.mark.parametrize("formats", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cpu_fp8_gemm_is_the_dequantized_product(formats, out_dtype):
+    # emulate=True runs the FP8 GEMMs on CPU as float32 matmuls of the exactly widened operands.
+    fa, fb = (getattr(torch, f"float8_{f}fn" if f == "e4m3" else f"float8_{f}") for f in formats)
+    m, k, n = 37, 64, 48  # rows need not be a multiple of 16
+    a = _fp8_operand((m, k), fa, 0)
+    b = _fp8_operand((n, k), fb, 1).t()  # column-major
+    scale_a, scale_b = torch.tensor(0.37), torch.tensor(1.9)
+    bias = torch.randn(n).to(out_dtype) if out_dtype == torch.bfloat16 else None
+    out = lightning_fuse.modules._scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=bias)
+    expected = (a.double() @ b.double()) * (0.37 * 1.9)
+    if bias is not None:
+        expected = expected + bias.double()
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[out_dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("case,match", [
+    ("k", r"contraction width 24 and output width 48 must be multiples of 16"),
+    ("n", r"contraction width 32 and output width 24 must be multiples of 16"),
+    ("row-major-b", r"`b` must be column-major; got strides \(48, 1\)"),
+    ("column-major-a", r"`a` must be row-major; got strides \(1, 16\)"),
+    ("e5m2-pair", r"e5m2 x e5m2 has no cuBLASLt kernel"),
+    ("fp32-bias", r"a torch.float32 bias with torch.bfloat16 output"),
+    ("unaligned-scale", r"`scale_a` not 16-byte aligned"),
+])
+def test_the_cpu_fp8_gemm_refuses_what_cublaslt_refuses(case, match):
+    # torch._scaled_mm's own CPU kernel takes all of these: on CPU the operands are checked as the GPU
+    # takes them (tests/test_gpu.py::test_scaled_mm_requirements checks the GPU itself).
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    a, b = _fp8_operand((16, 32), e4m3, 0), _fp8_operand((48, 32), e4m3, 1).t()
+    one, bias, out_dtype = torch.ones(()), None, torch.bfloat16
+    scale_a = one
+    if case == "k":
+        a, b = _fp8_operand((16, 24), e4m3, 0), _fp8_operand((48, 24), e4m3, 1).t()
+    elif case == "n":
+        b = _fp8_operand((24, 32), e4m3, 1).t()
+    elif case == "row-major-b":
+        b = _fp8_operand((32, 48), e4m3, 1)
+    elif case == "column-major-a":
+        a = _fp8_operand((32, 16), e4m3, 0).t()
+    elif case == "e5m2-pair":
+        a, b = a.to(torch.float32).to(e5m2), b.to(torch.float32).to(e5m2)
+    elif case == "fp32-bias":
+        bias = torch.zeros(48)
+    else:
+        scale_a = torch.ones(2)[1]
+    with pytest.raises(RuntimeError, match=match):
+        lightning_fuse.modules._scaled_mm(a, b, scale_a, one, out_dtype, bias=bias)

@@ -1,5 +1,6 @@
 """Measuring what the swap buys: each distinct swapped-module shape, original computation vs fused,
-forward + backward, on the real device and dtypes (CUDA events after warm-up; wall clock on CPU).
+forward + backward, on the real device and dtypes (CUDA events after warm-up; wall clock on CPU),
+the two timed in turn.
 
 The measurement runs on fresh modules of the same shapes (never the model's own parameters), so
 it changes nothing in the model and its optimizer. The fused copy re-quantizes its weight every
@@ -13,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -86,33 +87,41 @@ def _copy_of(key: ShapeKey, device: torch.device, emulate: bool) -> FP8LinearBas
     return module
 
 
-def _timer(device: torch.device, fn: Callable[[], None], warmup: int, reps: int, bursts: int = 3) -> float:
-    """ms per call of ``fn`` after ``warmup`` calls: on GPUs the median over ``bursts`` of ``reps`` calls each.
+def _interleaved_ms(device: torch.device, fns: Sequence[Callable[[], None]], warmup: int, reps: int,
+                    bursts: int = 3) -> list[float]:
+    """ms per call of each of ``fns`` after ``warmup`` calls of each: the fastest of its samples, the
+    samples of all of them taken in turn, so that anything else slowing the machine for a while
+    (another process, a clock ramping up) slows them alike, and the fastest sample is the one it
+    spared (interference only adds time).
 
-    On GPUs the calls of a burst are issued back to back between two CUDA events, as a training
-    loop issues them, so a call costs the larger of its CPU launch time and its GPU time. Timing
-    single calls with a synchronization after each would add the launch latency of every call,
-    which a training loop hides behind the GPU work queued before it.
+    On GPUs a sample is a burst of ``reps`` calls issued back to back between two CUDA events, as a
+    training loop issues them, so a call costs the larger of its CPU launch time and its GPU time
+    (timing single calls with a synchronization after each would add the launch latency of every
+    call, which a training loop hides behind the GPU work queued before it); ``bursts`` of them
+    each. On CPU, where calls are synchronous, a sample is one call, ``reps`` of them each.
     """
-    for _ in range(warmup):
-        fn()
-    times = []
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         for _ in range(bursts):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / reps)
-    else:  # CPU calls are synchronous: each one is timed on its own
+            for fn, samples in zip(fns, times):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / reps)
+    else:
         for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+            for fn, samples in zip(fns, times):
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+    return [min(samples) for samples in times]
 
 
 def measure(key: ShapeKey, device: torch.device, recipe: Optional[Recipe], *, emulate: bool = False,
@@ -149,6 +158,5 @@ def measure(key: ShapeKey, device: torch.device, recipe: Optional[Recipe], *, em
             module.fp8_state.generation += 1  # a new step: the FP8 weight copy is made again
         return run
 
-    original = _timer(device, step(False), warmup, reps)
-    fused = _timer(device, step(True), warmup, reps)
+    original, fused = _interleaved_ms(device, (step(False), step(True)), warmup, reps)
     return original, fused

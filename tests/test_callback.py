@@ -601,6 +601,30 @@ def test_measure_runs_only_the_backward_training_runs(weight, bias, inputs):
     assert module.weight.grad is None and (module.bias.grad is not None) is bias
 
 
+def test_the_two_computations_are_timed_in_turn_so_a_slow_spell_slows_both_alike():
+    # The `auto` decision compares two timings: measured one after the other, a spell of interference
+    # (another process on the machine) during one of them alone would flip it. Timed in turn, the
+    # spell slows both, and each one's fastest sample is one it spared.
+    import time as _time
+
+    from lightning_fuse import speed
+
+    calls = []
+
+    def make(ms: float) -> Any:
+        def fn() -> None:
+            calls.append(ms)
+            slow = 2 <= len(calls) <= 13  # right after the warm-up: the first 6 samples of each
+            _time.sleep((ms + (30.0 if slow else 0.0)) / 1e3)
+        return fn
+
+    slower, faster = speed._interleaved_ms(torch.device("cpu"), (make(4.0), make(2.0)), warmup=1, reps=10)
+    assert calls[2:6] == [4.0, 2.0, 4.0, 2.0]  # in turn
+    # (timed one after the other, 9 of the first one's 10 samples would fall in the spell: 34 ms against 2)
+    assert 1.5 < slower / faster < 2.5
+    assert slower < 10.0
+
+
 def test_a_shape_that_fails_to_measure_is_kept_with_one_warning_and_training_goes_on(tmp_path):
     # The measurement allocates a module and its activations beside the training's own, right after the
     # first step: a GPU near its memory limit may refuse. Measuring is optional; the run is not.

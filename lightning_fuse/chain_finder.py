@@ -85,6 +85,7 @@ class Chain:
     act_function: Optional[str]  # the functional call's label (activation_skip.FUNCTIONAL_ACTIVATIONS); None otherwise
     consumer: Optional[str]  # fqn of the linear that alone consumes the activation's output, if any
     reason: str = ""  # "" when the chain can be fused, else why it is left alone
+    no_consumer: str = ""  # why no linear alone consumes the activation's output (a fusable chain without one)
 
 
 @dataclass(frozen=True)
@@ -239,21 +240,30 @@ def _is_passthrough(node: fx.Node, leaves: dict[str, nn.Module]) -> bool:
     return _is_dropout(node, leaves)
 
 
-def _consumer(node: fx.Node, leaves: dict[str, nn.Module], calls: Counter) -> Optional[str]:
-    """Path of the linear that alone consumes ``node`` (through Dropouts/Identities), or ``None``."""
+def _consumer(node: fx.Node, leaves: dict[str, nn.Module], calls: Counter, where: str) -> tuple[Optional[str], str]:
+    """``(path, "")`` of the linear that alone consumes ``node`` (through Dropouts/Identities), or
+    ``(None, why not)``; ``where`` names the forward traced ("`mlp`'s forward")."""
     current = node
     while True:
         users = list(current.users)
-        if len(users) != 1 or not users[0].args or users[0].args[0] is not current:
-            return None
+        if len(users) > 1:
+            names = ", ".join(_node_label(user) for user in users)
+            return None, f"the activation's output has {len(users)} users ({names})"
+        if not users:
+            return None, f"the activation's output is unused in {where}"
         user = users[0]
+        if user.op == "output":
+            return None, f"{where} returns the activation's output: what takes it is outside that forward"
+        if not user.args or user.args[0] is not current:
+            return None, f"the activation's output goes to {_node_label(user)}, not as its input"
         if _is_passthrough(user, leaves):
             current = user
             continue
-        if user.op == "call_module" and is_linear_like(leaves.get(str(user.target), nn.Identity())) \
-                and calls[user.target] == 1:
-            return str(user.target)
-        return None
+        if user.op == "call_module" and is_linear_like(leaves.get(str(user.target), nn.Identity())):
+            if calls[user.target] == 1:
+                return str(user.target), ""
+            return None, f"the linear `{user.target}` it goes to is called {calls[user.target]} times in {where}"
+        return None, f"the activation's output goes to {_node_label(user)}, not to a linear"
 
 
 def _node_label(node: fx.Node) -> str:
@@ -302,6 +312,8 @@ def _chains_in_graph(graph: fx.Graph, leaves: dict[str, nn.Module], parent: str)
                 reason = (f"the activation module `{use.module}` is called at {calls[use.module]} places; "
                           "replacing it would change the other calls")
         reported.add(target)
+        consumer, no_consumer = (None, "") if reason else _consumer(
+            act_node, leaves, calls, f"`{parent}`'s forward" if parent else "the model's forward")
         chains.append(Chain(
             parent=parent,
             linear=_join(parent, target),
@@ -309,8 +321,9 @@ def _chains_in_graph(graph: fx.Graph, leaves: dict[str, nn.Module], parent: str)
             act_module=_join(parent, use.module) if use.module is not None else None,
             act_function=None if use.module is not None else (
                 "Tensor.relu" if act_node.op == "call_method" else _FUNCTIONAL_LABELS[act_node.target]),
-            consumer=None if reason else _optional_join(parent, _consumer(act_node, leaves, calls)),
+            consumer=_optional_join(parent, consumer),
             reason=reason,
+            no_consumer=no_consumer,
         ))
     return chains
 
@@ -345,14 +358,22 @@ def _chains_in_sequential(seq: nn.Sequential, parent: str) -> list[Chain]:
                           "Sequential; replacing it would change the other calls")
             elif _has_hooks(act_module):
                 reason = f"the activation `{act_key}` has hooks, which fusing would drop"
-        consumer = None
+        consumer, no_consumer = None, ""
         if not reason:
             j = act_index + 1
             while j < len(items) and isinstance(items[j][1], (nn.Identity, nn.modules.dropout._DropoutNd)):
                 j += 1
-            if j < len(items) and is_linear_like(items[j][1]) and uses[id(items[j][1])] == 1:
+            where = f"the Sequential `{parent}`" if parent else "the model's Sequential"
+            if j >= len(items):
+                no_consumer = f"the activation ends {where}: what takes its output is outside it"
+            elif not is_linear_like(items[j][1]):
+                no_consumer = f"the activation's output goes to `{items[j][0]}` ({type(items[j][1]).__name__})"
+            elif uses[id(items[j][1])] > 1:
+                no_consumer = f"the linear `{items[j][0]}` appears {uses[id(items[j][1])]} times in the Sequential"
+            else:
                 consumer = _join(parent, items[j][0])
-        chains.append(Chain(parent, _join(parent, key), name, _join(parent, act_key), None, consumer, reason))
+        chains.append(Chain(parent, _join(parent, key), name, _join(parent, act_key), None, consumer, reason,
+                            no_consumer))
     return chains
 
 
@@ -454,7 +475,7 @@ _TWO_WAYS = ("its Sequential is called both as a whole and item by item, so the 
 
 def _refused(chain: Chain, why: str) -> Chain:
     """``chain`` left alone for ``why`` (unchanged if it already has a reason)."""
-    return chain if chain.reason else replace(chain, consumer=None, reason=why)
+    return chain if chain.reason else replace(chain, consumer=None, reason=why, no_consumer="")
 
 
 def find_chains(model: nn.Module) -> ChainSearch:

@@ -68,6 +68,8 @@ class ChainReport:
     reason: str  # "" when fused, else why not
     fp8: bool  # whether FP8 GEMMs can run these dimensions (else the module runs in high precision)
     fp8_reason: str  # why FP8 cannot apply by shape, or ""
+    consumer: str = ""  # fqn of the linear that alone takes the activation's output ("mlp" converts it), or ""
+    no_consumer: str = ""  # why there is none, for a fused chain (e.g. a gated MLP multiplies the output first)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,11 @@ class FuseReport:
         lines += [line(row) for row in rows]
         lines.append(f"{self.num_fused} of {len(self.chains)} chains fused, {self.num_fp8_linears} other linears "
                      f"converted to FP8Linear (convert={self.config.convert!r})")
+        alone = [chain for chain in self.chains if chain.fused and chain.no_consumer]
+        if alone and self.config.convert == "mlp":
+            lines.append("fused chains whose output no linear takes alone (convert='mlp' converts only such a "
+                         "linear; convert='all' converts the others too):")
+            lines += [f"  {chain.name}: {chain.no_consumer}" for chain in alone]
         if self.skipped:
             lines.append("not traced (their linears stay as they are unless convert='all'):")
             lines += [f"  {skipped.name}: {skipped.reason}" for skipped in self.skipped]
@@ -394,7 +401,8 @@ def _plan(model: nn.Module, config: FuseConfig, module_filter_fn: Optional[Modul
         in_features, out_features, fp8, fp8_reason = _shape(model.get_submodule(chain.linear))
         reason = decisions[chain.linear]
         chain_reports.append(ChainReport(chain.linear, chain.activation, in_features, out_features, not reason,
-                                         reason, fp8, fp8_reason))
+                                         reason, fp8, fp8_reason, chain.consumer or "",
+                                         chain.no_consumer if not reason else ""))
     linear_reports = []
     for name, role in _select_linears(model, search, fused, refused, config.convert).items():
         module = model.get_submodule(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from helpers_models import (
@@ -79,6 +80,56 @@ def test_nested_fqns():
     chains = _by_linear(nn.Sequential(Block(), Block()))
     assert list(chains) == ["0.mlp.c_fc", "1.mlp.c_fc"]
     assert chains["1.mlp.c_fc"].consumer == "1.mlp.c_proj" and chains["1.mlp.c_fc"].parent == "1.mlp"
+
+
+class _ReturnsActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class _LlamaMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class _LinearTwiceAfter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        return self.proj(h) + self.proj(x.new_zeros(x.shape[0], 16))
+
+
+@pytest.mark.parametrize("make, linear, why", [
+    # a gated MLP multiplies the activation's output first (Llama's act(gate) * up)
+    (_LlamaMLP, "gate", "the activation's output goes to mul, not to a linear"),
+    # BERT's intermediate layer returns it: the output linear is in a sibling module
+    (lambda: nn.Sequential(_ReturnsActivation(), nn.Linear(16, 8)), "0.fc",
+     "`0`'s forward returns the activation's output: what takes it is outside that forward"),
+    (FunctionalZoo, "e", "the model's forward returns the activation's output"),
+    (lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU()), "0",
+     "the activation ends the model's Sequential: what takes its output is outside it"),
+    (lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16)), "0",
+     "the activation's output goes to `2` (LayerNorm)"),
+    (lambda: nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.GELU())), "0.0", "ends the Sequential `0`"),
+    (_LinearTwiceAfter, "fc", "the linear `proj` it goes to is called 2 times in the model's forward"),
+])
+def test_a_fusable_chain_without_a_consumer_says_why(make, linear, why):
+    # convert="mlp" converts the linear that alone takes a chain's activation output; where there is
+    # none, the report says why (tests/test_fuse.py checks the report's table).
+    chain = _by_linear(make())[linear]
+    assert chain.reason == "" and chain.consumer is None
+    assert why in chain.no_consumer, chain.no_consumer
 
 
 @pytest.mark.parametrize("make, linear, why", [

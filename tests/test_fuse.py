@@ -431,6 +431,26 @@ def test_report_rendering():
     assert as_dict["chains"][0]["fp8"] is True and as_dict["chains"][0]["fp8_reason"] == ""
 
 
+def test_the_report_says_why_a_fused_chain_has_no_mlp_consumer():
+    # convert="mlp" converts only a linear that alone takes the chain's output in the same forward:
+    # the report names the chains it found none for, and why, and the consumer of the others.
+    def model():
+        return nn.Sequential(Block(), nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32)))
+
+    report = fuse_(model(), FuseConfig(convert="mlp"))
+    chains = {chain.name: chain for chain in report.chains}
+    assert (chains["0.mlp.c_fc"].consumer, chains["0.mlp.c_fc"].no_consumer) == ("0.mlp.c_proj", "")
+    assert (chains["1.0"].consumer, chains["1.0"].no_consumer) == ("", "the activation's output goes to `2` (LayerNorm)")
+    lines = str(report).splitlines()
+    at = lines.index("fused chains whose output no linear takes alone (convert='mlp' converts only such a linear; "
+                     "convert='all' converts the others too):")
+    assert lines[at + 1] == "  1.0: the activation's output goes to `2` (LayerNorm)"
+    assert "0.mlp.c_fc:" not in "\n".join(lines[at:])
+    # Not said where the mode converts no consumer anyway, or every other linear too.
+    for convert in ("chains", "all"):
+        assert "no linear takes alone" not in str(fuse_(model(), FuseConfig(convert=convert)))
+
+
 def test_fp8_shape_reason_is_reported():
     model = nn.Sequential(nn.Linear(12, 40), nn.GELU())
     report = fuse_(model)

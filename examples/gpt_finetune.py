@@ -14,6 +14,7 @@ Face's GPT2LMHeadModel (model.source=hf); the data is `gpt_data.TextDataModule`.
 
 import logging
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -501,6 +502,9 @@ def print_summary(result: TrainResult) -> None:
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        log.warning("TRITON_INTERPRET=1 is set: the Triton kernels run in the interpreter (how the CPU tests "
+                    "check them), many times slower than PyTorch's own ops; unset it to train")
     print_summary(train(cfg))
 
 

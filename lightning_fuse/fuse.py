@@ -407,7 +407,8 @@ def _plan(model: nn.Module, config: FuseConfig, module_filter_fn: Optional[Modul
     for name, role in _select_linears(model, search, fused, refused, config.convert).items():
         module = model.get_submodule(name)
         in_features, out_features, fp8, fp8_reason = _shape(module)
-        reason = eligibility.reason(module, name)
+        # An FP8Linear that FP8 cannot run computes what the linear does: nothing to swap it for.
+        reason = eligibility.reason(module, name) or (f"{fp8_reason}, so it could never run FP8" if fp8_reason else "")
         linear_reports.append(LinearReport(name, role, in_features, out_features, not reason, reason, fp8,
                                            fp8_reason))
     report = FuseReport(tuple(chain_reports), tuple(linear_reports), tuple(search.skipped), config)

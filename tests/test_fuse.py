@@ -768,3 +768,15 @@ def test_swapped_linears_take_their_input_by_keyword_as_the_originals_did():
     assert_same_outputs_and_grads(model, reference, _x())
     with pytest.raises(TypeError):
         model.fc(_x(), _x())  # still one input
+
+
+def test_a_linear_fp8_cannot_run_is_not_converted():
+    # Llama's lm_head with a vocabulary of 100, say: an FP8Linear of that shape could only ever run the
+    # linear's own computation, so convert="all" leaves it as it is and says why.
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.Linear(32, 100))
+    report = fuse_(model, FuseConfig(convert="all"))
+    linears = {linear.name: linear for linear in report.linears}
+    assert linears["2"].fused and type(model[2]) is FP8Linear
+    assert not linears["3"].fused and type(model[3]) is nn.Linear
+    assert linears["3"].reason == ("out_features=100 not a multiple of 16, which torch._scaled_mm requires, "
+                                   "so it could never run FP8")

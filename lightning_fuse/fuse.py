@@ -37,7 +37,7 @@ from torch.nn.utils import parametrize
 
 from .activation_skip import ActivationsFusedAway
 from .chain_finder import Chain, ChainSearch, SkippedModule, find_chains
-from .config import FuseConfig, make_fuse_config
+from .config import FuseConfig, make_fuse_config, resolve_module_filter
 from .modules import (FP8Linear, FusedLinearBiasActivation, FP8LinearBase, fp8_shape_reason, is_linear_like,
                       linear_dims)
 from .scaling import FP8ScalingState
@@ -284,7 +284,8 @@ def fuse_(model: nn.Module, config: Union[FuseConfig, dict, DictConfig, None] = 
     Args:
         model: any ``nn.Module``.
         config: a ``FuseConfig``, a mapping of its fields or a ``DictConfig``; ``None`` for the defaults.
-        module_filter_fn: ``(module, fqn) -> bool``; a linear is swapped only where it returns ``True``.
+        module_filter_fn: ``(module, fqn) -> bool``; a linear is swapped only where it returns ``True``. Also
+            the import path of one (``"mypkg.filters.keep"``), as a config file gives it.
 
     Returns:
         A ``FuseReport``: every chain found (fused or why not), the other linears selected by
@@ -293,6 +294,7 @@ def fuse_(model: nn.Module, config: Union[FuseConfig, dict, DictConfig, None] = 
     Raises:
         ValueError: a bad config, or a model already fused with another config (or partly).
         TypeError: ``model`` is not an ``nn.Module``, or ``module_filter_fn`` is not callable.
+        ValueError: ``module_filter_fn`` is an import path that does not import.
 
     Example::
 
@@ -302,8 +304,7 @@ def fuse_(model: nn.Module, config: Union[FuseConfig, dict, DictConfig, None] = 
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
     config = make_fuse_config(config)
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise TypeError(f"`module_filter_fn` must be a callable (module, fqn) -> bool; got {module_filter_fn!r}")
+    module_filter_fn = resolve_module_filter(module_filter_fn)  # a callable, or an import path as configs give
     record = model.__dict__.get(_RECORD_ATTR)
     if isinstance(record, _FuseRecord):
         return _existing_report(model, record, config)

@@ -531,3 +531,8 @@ class CallsNestedModuleWhole(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.wrap.inner(x))
 
+
+
+def keep_all_but_c_proj(module: nn.Module, fqn: str) -> bool:
+    """A module filter named by its import path in tests."""
+    return fqn != "c_proj"

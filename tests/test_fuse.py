@@ -461,8 +461,10 @@ def test_fp8_shape_reason_is_reported():
 def test_bad_arguments():
     with pytest.raises(TypeError, match="nn.Module"):
         fuse_(lambda x: x)
-    with pytest.raises(TypeError, match="module_filter_fn"):
+    with pytest.raises(ValueError, match="`module_filter_fn` must be an import path with a module and a name"):
         fuse_(NanoGPTMLP(), module_filter_fn="c_fc")
+    with pytest.raises(TypeError, match="`module_filter_fn` must be a callable"):
+        fuse_(NanoGPTMLP(), module_filter_fn=3)
     with pytest.raises(ValueError, match="valid keys"):
         fuse_(NanoGPTMLP(), {"conver": "all"})
 
@@ -768,6 +770,14 @@ def test_swapped_linears_take_their_input_by_keyword_as_the_originals_did():
     assert_same_outputs_and_grads(model, reference, _x())
     with pytest.raises(TypeError):
         model.fc(_x(), _x())  # still one input
+
+
+def test_module_filter_fn_may_be_an_import_path():
+    # as the callback takes it from a config file
+    model = NanoGPTMLP()
+    report = fuse_(model, FuseConfig(convert="mlp"), module_filter_fn="helpers_models:keep_all_but_c_proj")
+    assert type(model.c_fc) is FusedLinearBiasActivation and type(model.c_proj) is nn.Linear
+    assert report.linears[0].reason == "module_filter_fn returned False"
 
 
 def test_a_linear_fp8_cannot_run_is_not_converted():

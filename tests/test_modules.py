@@ -5,6 +5,8 @@ float64, and the delayed-scaling state machine (history roll, margin, non-finite
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import pickle
 import warnings
 
 import pytest
@@ -356,6 +358,15 @@ def test_recipes_validate_their_fields():
     with pytest.raises(ValueError, match="`margin` must be a non-negative int"):
         CurrentScaling(margin=-1)
     assert DelayedScaling(fp8_format="e4m3").backward_dtype == torch.float8_e4m3fn
+    with pytest.raises(TypeError, match=r"^unknown DelayedScaling field\(s\) 'amax_histroy_len' \(did you mean "
+                                        r"'amax_history_len'\?\); valid fields: fp8_format, amax_history_len, "):
+        DelayedScaling(amax_histroy_len=16)
+    with pytest.raises(TypeError, match=r"unknown CurrentScaling field\(s\) 'amax_history_len'; valid fields: "
+                                        r"fp8_format, margin$"):
+        CurrentScaling(amax_history_len=16)
+    # still dataclasses: replace, equality, pickling
+    recipe = dataclasses.replace(DelayedScaling(), margin=2)
+    assert recipe == DelayedScaling(margin=2) == pickle.loads(pickle.dumps(recipe))
 
 
 def test_every_scale_is_16_byte_aligned_for_cublas():

@@ -492,12 +492,18 @@ def build_trainer(cfg: DictConfig, callbacks: Sequence[Callback]) -> L.Trainer:
 
 
 @rank_zero_only
+def summary(result: TrainResult, warmup_steps: int = 2) -> str:
+    """The run's closing lines; a figure the run did not measure says why instead of printing nan."""
+    at_init = f" (at init {result.val_loss_init:.4f})" if math.isfinite(result.val_loss_init) else \
+        " (no validation before the first step of this run)"
+    speed = f"{result.tokens_per_sec:,.0f} tokens/s" if math.isfinite(result.tokens_per_sec) else \
+        f"tokens/s not measured (the first {warmup_steps} steps of a run are left out)"
+    return (f"\nfinished {result.steps} steps: train loss {result.train_loss:.4f} | "
+            f"val loss {result.val_loss:.4f}{at_init} | {speed}\ncheckpoint: {result.checkpoint_path}")
+
+
 def print_summary(result: TrainResult) -> None:
-    print(
-        f"\nfinished {result.steps} steps: train loss {result.train_loss:.4f} | "
-        f"val loss {result.val_loss:.4f} (at init {result.val_loss_init:.4f}) | "
-        f"{result.tokens_per_sec:,.0f} tokens/s\ncheckpoint: {result.checkpoint_path}"
-    )
+    print(summary(result, TokensPerSecond().warmup_steps))
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")

@@ -23,7 +23,7 @@ CONFIG_DIR = REPO / "configs"
 sys.path.insert(0, str(REPO / "examples"))
 
 from gpt_data import NOT_STDLIB, RandomBlockDataset, TextDataModule, stdlib_source_files  # noqa: E402
-from gpt_finetune import lr_multiplier, train  # noqa: E402
+from gpt_finetune import TokensPerSecond, TrainResult, lr_multiplier, summary, train  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
 
@@ -529,9 +529,9 @@ def test_the_summary_val_loss_is_the_mean_over_tokens_not_over_batches(tmp_path:
                  "trainer.val_check_interval=4", "fuse=null"]
     result = train(quick_config(tmp_path, overrides), extra_callbacks=[probe])
     assert [step for step, _ in result.val_history] == [0, 4] and len(probe.rows) == 2
-    for summary, token_mean, mean_of_batch_means in probe.rows:
+    for logged, token_mean, mean_of_batch_means in probe.rows:
         assert abs(token_mean - mean_of_batch_means) > 1e-4  # the batches differ enough to tell them apart
-        assert summary == pytest.approx(token_mean, rel=1e-6, abs=0)
+        assert logged == pytest.approx(token_mean, rel=1e-6, abs=0)
 
 
 @pytest.mark.parametrize(("limit", "batches"), [("0.5", 4), ("1.0", 8), ("3", 3)])
@@ -644,3 +644,16 @@ def test_init_from_a_folder_that_is_not_a_model(tmp_path: Path) -> None:
 def test_unknown_model_source_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model\.source='jax'; expected one of \('native', 'hf'\)"):
         train(quick_config(tmp_path, ["model.source=jax", "fuse=null"]))
+
+
+def test_the_summary_says_why_a_figure_is_missing():
+    # A run of 2 steps measures no speed (its first steps are left out); a resumed run has no
+    # validation before its first step: the summary says so instead of printing nan.
+    result = TrainResult(train_loss=4.5, val_loss=3.9, val_loss_init=float("nan"), val_history=[],
+                         tokens_per_sec=float("nan"), steps=2, checkpoint_path="last.ckpt")
+    text = summary(result, warmup_steps=TokensPerSecond().warmup_steps)
+    assert "nan" not in text
+    assert "tokens/s not measured (the first 2 steps of a run are left out)" in text
+    assert "(no validation before the first step of this run)" in text
+    measured = summary(TrainResult(4.5, 3.9, 5.3, [], 1234.4, 60, "last.ckpt"))
+    assert "val loss 3.9000 (at init 5.3000) | 1,234 tokens/s" in measured

@@ -166,22 +166,33 @@ _FILTER_FORMS = ("a callable (module, fqn) -> bool, the import path of one ('myp
 
 
 def _import_object(path: Any, argument: str) -> Any:
-    """The object an import path names: ``pkg.mod.name`` or ``pkg.mod:name``."""
-    module_name, sep, name = path.partition(":") if isinstance(path, str) and ":" in path else \
-        (path.rpartition(".") if isinstance(path, str) else ("", "", ""))
-    if not (module_name and sep and name):
+    """The object an import path names: ``pkg.mod.name`` or ``pkg.mod:name``, the name possibly an
+    attribute of an attribute (``pkg.mod.Filters.keep``), as Hydra's ``_target_`` resolves it."""
+    if isinstance(path, str) and ":" in path:
+        module_name, _, rest = path.partition(":")
+        splits = [(module_name, rest.split("."))] if module_name and rest else []
+    else:
+        parts = path.split(".") if isinstance(path, str) else []
+        # the longest prefix that is a module, the rest attributes of it
+        splits = [(".".join(parts[:i]), parts[i:]) for i in range(len(parts) - 1, 0, -1)]
+    if not splits or not all(part for name, attrs in splits for part in [*name.split("."), *attrs]):
         raise ValueError(f"`{argument}` must be an import path with a module and a name, such as "
                          f"'mypkg.filters.keep'; got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name is None or not module_name.startswith(err.name):
-            raise  # the module exists but fails importing something of its own: say that, not "not found"
-        raise ValueError(f"`{argument}` {path!r}: no module named {module_name!r}") from None
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise ValueError(f"`{argument}` {path!r}: module {module_name!r} has no attribute {name!r}") from None
+    for module_name, attrs in splits:
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not (module_name + ".").startswith(err.name + "."):
+                raise  # the module exists but fails importing something of its own: say that, not "not found"
+            continue
+        for depth, attr in enumerate(attrs):
+            try:
+                obj = getattr(obj, attr)
+            except AttributeError:
+                owner = ".".join([module_name, *attrs[:depth]])
+                raise ValueError(f"`{argument}` {path!r}: {owner!r} has no attribute {attr!r}") from None
+        return obj
+    raise ValueError(f"`{argument}` {path!r}: no module named {splits[-1][0]!r}")
 
 
 def resolve_module_filter(value: Any) -> Optional[Callable[[Any, str], bool]]:

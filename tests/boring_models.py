@@ -155,3 +155,9 @@ class TinyGPT2Model(LightningModule):
 def keep_except(module: nn.Module, fqn: str, names: tuple[str, ...] = ("mlp.2",)) -> bool:
     """A module filter a config file can name by its import path: swap every linear but ``names``."""
     return fqn not in names
+
+
+class Filters:
+    """Module filters as static methods, named by a path through the class."""
+
+    keep_except = staticmethod(keep_except)

@@ -706,8 +706,9 @@ def test_model_pickles_after_fp8_training(tmp_path):
     ({"activations": ["gleu"]}, ValueError, r"`activations` holds an unknown activation 'gleu'"),
     ({"module_filter_fn": "lm_head"}, ValueError, r"`module_filter_fn` must be an import path with a module and a "
                                                    r"name, such as 'mypkg.filters.keep'; got 'lm_head'"),
-    ({"module_filter_fn": "boring_models.keep_all"}, ValueError, r"module 'boring_models' has no attribute 'keep_all'"),
+    ({"module_filter_fn": "boring_models.keep_all"}, ValueError, r"'boring_models' has no attribute 'keep_all'"),
     ({"module_filter_fn": "no_such_package.keep"}, ValueError, r"no module named 'no_such_package'"),
+    ({"module_filter_fn": ".keep"}, ValueError, r"must be an import path with a module and a name"),
     ({"module_filter_fn": "boring_models.D_MODEL"}, TypeError, r"gives \d+, which is not callable"),
     ({"module_filter_fn": {"names": ["mlp.2"]}}, ValueError, r"must have a `_target_` naming a function"),
     ({"module_filter_fn": {"_target_": "boring_models.keep_except", "_partial_": True, "_convert_": "all"}},
@@ -724,8 +725,9 @@ def test_bad_arguments(kwargs, error, match):
     lambda module, fqn: fqn != "mlp.2",
     "boring_models.keep_except",  # as a config file names it
     "boring_models:keep_except",
+    "boring_models.Filters.keep_except",  # an attribute of an attribute, as Hydra's _target_ resolves it
     {"_target_": "boring_models.keep_except", "_partial_": True, "names": ["mlp.2"]},
-], ids=["callable", "path", "colon-path", "partial-node"])
+], ids=["callable", "path", "colon-path", "class-attribute-path", "partial-node"])
 def test_module_filter_fn_is_applied(tmp_path, module_filter_fn):
     torch.manual_seed(0)
     model = BoringMLPModel()

@@ -304,7 +304,8 @@ def main():
                         help="time every configuration with contiguous and with cyclic row tiles")
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
     parser.add_argument("--activation", choices=sorted(GELUS), default="gelu_tanh",
-                        help="the fused pass's GELU (the eager sequence's gelu_backward takes the same one)")
+                        help="the fused pass's GELU in the timed table (the eager sequence's gelu_backward takes "
+                             "the same one); --sweep times gelu_tanh")
     parser.add_argument("--passes", help="time only these passes, comma-separated (default: every pass)")
     args = parser.parse_args()
     passes = None

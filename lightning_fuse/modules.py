@@ -132,6 +132,16 @@ class _FP8Plan:
     handed: Optional[tuple] = None  # the input's (FP8, FP8 transposed, scale_inv, amax), written by the producing chain
     grad_enabled: bool = True  # grad mode at the call (the autograd function's forward runs without it)
     handoff: Optional[tuple] = None  # set by the forward: (consumer, FP8, FP8 transposed, scale_inv, amax) of the output
+    replay: Optional[tuple] = None  # a checkpointed recomputation's (scale, scale_inv): its forward's forward group
+
+    def forward_slot(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scale, scale_inv, amax)`` of forward slot ``index``: the state's; in the recomputation of a
+        checkpointed forward, the scales that forward used (an update may have replaced them since) and
+        a scratch amax (the forward recorded the real one)."""
+        if self.replay is None:
+            return self.state.slot("forward", index)
+        scale, scale_inv = self.replay
+        return scale[index], scale_inv[index], scale.new_zeros(1)
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -259,10 +269,10 @@ class _FP8LinearFunction(torch.autograd.Function):
             # The producing chain's activation pass already wrote this input's FP8 copies and its amax.
             xq, xq_t, scale_inv_x, amax_handed = handed
             plan.handed = None  # the plan lives on in the backward's context, which needs no row-wise copy
-            amax_x = plan.state.slot("forward", 2 * index)[2]
+            amax_x = plan.forward_slot(2 * index)[2]
             torch.maximum(amax_x, amax_handed, out=amax_x)
         elif isinstance(recipe, DelayedScaling):
-            scale_x, scale_inv_x, amax_x = plan.state.slot("forward", 2 * index)
+            scale_x, scale_inv_x, amax_x = plan.forward_slot(2 * index)
             xq, xq_t = quantize(x2, scale=scale_x, fp8_dtype=recipe.forward_dtype, amax=amax_x, transpose=need_wgrad)
         else:
             xq, xq_t, _, scale_x = quantize_current_scaling(x2, fp8_dtype=recipe.forward_dtype,
@@ -279,7 +289,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             h, y = _add_bias_and_activate(h, later_bias, activation)
         else:
             # One pass: bias, activation, and the consumer's FP8 input (row-wise, transposed, amax).
-            scale_c, scale_inv_c, amax_c = plan.state.slot("forward", 2 * consumer.fp8_index)
+            scale_c, scale_inv_c, amax_c = plan.forward_slot(2 * consumer.fp8_index)
             # The output's amax goes into the consumer's history only if the consumer uses this copy (it
             # may get another input, or none): it does so itself, from this tensor.
             amax_y = torch.zeros_like(amax_c)
@@ -410,13 +420,15 @@ class FP8LinearBase(nn.Module):
         self.fp8_state: Optional[FP8ScalingState] = None
         self.fp8_index = -1
         self._weight_cache: Optional[tuple] = None
-        self._recompute: Optional[Recipe] = None
+        # What a checkpointed recomputation of the last forward runs: (recipe, its forward scales under delayed
+        # scaling). Written to __dict__ on every forward (skipping nn.Module.__setattr__'s bookkeeping).
+        self._recompute: tuple = (None, None)
         self._consumer: tuple = ()  # (FP8Linear,) when fuse_ linked the linear this chain feeds
 
     def __getstate__(self) -> dict:
         # The FP8 weight copies are a cache (float8 storages do not unpickle in torch 2.13): drop them.
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        return {**state, "_weight_cache": None, "_fp8_input": None}
+        return {**state, "_weight_cache": None, "_fp8_input": None, "_recompute": (None, None)}
 
     def link_consumer(self, consumer: "FP8Linear") -> None:
         """Lets this chain write ``consumer``'s FP8 input in its activation pass (delayed scaling).
@@ -478,11 +490,14 @@ class FP8LinearBase(nn.Module):
         compiling = torch.compiler.is_compiling()  # (the graph task id below is not traceable)
         if ctx is None and not compiling and torch._C._current_graph_task_id() != -1:
             # Activation checkpointing recomputes the forward during backward, outside the context:
-            # it must take the path the original forward took.
-            return self._recompute
+            # it must take the path the original forward took, with the scales it took (the context's
+            # exit may have updated them since: a new scale tensor, so the forward's stays as it was).
+            recipe, self.__dict__["_replay"] = self._recompute
+            return recipe
         recipe = self._fp8_recipe_in(ctx, x) if ctx is not None else None
-        if not compiling and self._recompute is not recipe:  # what a recomputation of this forward must do
-            self._recompute = recipe
+        if not compiling:  # what a recomputation of this forward must do
+            forward = self.fp8_state.groups.get("forward") if isinstance(recipe, DelayedScaling) else None
+            self.__dict__["_recompute"] = (recipe, (forward.scale, forward.scale_inv) if forward is not None else None)
         return recipe
 
     def _fp8_recipe_in(self, ctx: FP8Context, x: torch.Tensor) -> Optional[Recipe]:
@@ -532,7 +547,9 @@ class FP8LinearBase(nn.Module):
         delayed = isinstance(recipe, DelayedScaling)
         compiling = torch.compiler.is_compiling()
         key = None
-        if not compiling:  # (a traced graph makes its copy each call: reading _version there breaks the trace)
+        # (a traced graph makes its copy each call: reading _version there breaks the trace; a checkpointed
+        # recomputation makes it with its forward's scale, which may no longer be the cached copy's)
+        if not compiling and plan.replay is None:
             # Copies made under inference mode are inference tensors, which training cannot save for backward.
             key = (weight._version, weight.data_ptr(), weight.dtype, type(recipe), recipe.margin, plan.state.steps,
                    plan.state.generation if delayed else None, torch.is_inference_mode_enabled())
@@ -540,14 +557,14 @@ class FP8LinearBase(nn.Module):
                 return self._weight_cache[1]
         with torch.no_grad():
             if delayed:
-                scale, scale_inv, amax = plan.state.slot("forward", 2 * self.fp8_index + 1)
+                scale, scale_inv, amax = plan.forward_slot(2 * self.fp8_index + 1)
                 q, q_t = quantize(weight, scale=scale, fp8_dtype=recipe.forward_dtype, amax=amax, transpose=True)
             else:
                 q, q_t, _, scale = quantize_current_scaling(weight, fp8_dtype=recipe.forward_dtype, transpose=True,
                                                             margin=recipe.margin)
                 scale_inv = scale.reciprocal()
         value = (q_t, q, scale_inv) if self.weight_is_in_out else (q, q_t, scale_inv)
-        if not compiling:
+        if key is not None:
             self.__dict__["_weight_cache"] = (key, value)  # a cache: skip nn.Module.__setattr__'s bookkeeping
         return value
 
@@ -578,6 +595,7 @@ class FP8LinearBase(nn.Module):
         if not self.fused:
             return self._plain_forward(x)
         fp8 = self._fp8_recipe(x)
+        replay = self.__dict__.pop("_replay", None)
         if fp8 is not None:
             grad_enabled = torch.is_grad_enabled()
             need_wgrad = self.weight.requires_grad and grad_enabled
@@ -585,7 +603,7 @@ class FP8LinearBase(nn.Module):
             usable = (handed is not None and handed[0] is x and handed[1] == x._version
                       and (handed[3] is not None or not need_wgrad) and isinstance(fp8, DelayedScaling))
             plan = _FP8Plan(self, fp8, self.fp8_state, _compute_dtype(x), need_wgrad,
-                            handed[2:] if usable else None, grad_enabled)
+                            handed[2:] if usable else None, grad_enabled, replay=replay)
             y = _FP8LinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.bias, plan)
             out = y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
             if plan.handoff is not None:

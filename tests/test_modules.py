@@ -5,6 +5,7 @@ float64, and the delayed-scaling state machine (history roll, margin, non-finite
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import pickle
 import warnings
@@ -713,3 +714,31 @@ def test_the_cpu_fp8_gemm_refuses_what_cublaslt_refuses(case, match):
         scale_a = torch.ones(2)[1]
     with pytest.raises(RuntimeError, match=match):
         lightning_fuse.modules._scaled_mm(a, b, scale_a, one, out_dtype, bias=bias)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_recomputation_quantizes_with_its_forwards_scales(reentrant):
+    # Outside Lightning the backward runs after the fp8_autocast block, whose exit updates the delayed
+    # scales: the recomputation of a checkpointed forward must still quantize with the scales its
+    # forward used (and record no amax a second time), so the step is bit-equal to an uncheckpointed one.
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(32, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 32))
+    runs = []
+    for checkpointed in (True, False):
+        model = copy.deepcopy(base)
+        fuse_(model, FuseConfig(convert="mlp", emulate=True))
+        recipe = DelayedScaling(amax_history_len=4)
+        torch.manual_seed(1)
+        grads = []
+        for step in range(3):
+            x = (torch.randn(16, 32) * (1.0 + step)).requires_grad_()  # growing amaxes: the scales move
+            with fp8_autocast(recipe):
+                y = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
+            (y.float() ** 2).sum().backward()  # after the exit: the scales were updated since the forward
+            grads += [x.grad, *(p.grad.clone() for p in model.parameters())]
+            model.zero_grad()
+        state = fp8_state_of(model)
+        runs.append((grads, [t.clone() for g in state.groups.values() for t in g.tensors().values()]))
+    (grads_a, state_a), (grads_b, state_b) = runs
+    for a, b in zip(grads_a + state_a, grads_b + state_b):
+        assert torch.equal(a, b)

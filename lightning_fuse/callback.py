@@ -492,7 +492,7 @@ class FusedBackwardCallback(Callback):
                 path = "reverted (slower)"
             else:
                 path = ("FP8" if fp8 and self.recipe is not None and not self._device_reason
-                        else "fused, high precision")
+                        else "fused, high precision" if activation != "-" else "high precision")
                 if self.recipe is not None and fp8 and not reason:
                     reason = self._device_reason
             speedup = f"{self.speedups[name]:.2f}x" if name in self.speedups else "-"

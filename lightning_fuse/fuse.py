@@ -116,15 +116,15 @@ class FuseReport:
 
     def table(self) -> str:
         """One row per chain and per selected linear: name, kind, shape, activation, decision, reason."""
-        header = ("name", "kind", "in", "out", "activation", "swapped to", "fp8", "reason")
+        header = ("name", "kind", "in", "out", "activation", "swapped to", "fp8 shape", "reason")
         rows = []
         for chain in self.chains:
             rows.append((chain.name, "chain", str(chain.in_features), str(chain.out_features),
                          chain.activation or "?", "FusedLinearBiasActivation" if chain.fused else "-",
-                         "yes" if chain.fp8 else "no", chain.reason or chain.fp8_reason))
+                         "ok" if chain.fp8 else "no", chain.reason or chain.fp8_reason))
         for linear in self.linears:
             rows.append((linear.name, linear.role, str(linear.in_features), str(linear.out_features), "-",
-                         "FP8Linear" if linear.fused else "-", "yes" if linear.fp8 else "no",
+                         "FP8Linear" if linear.fused else "-", "ok" if linear.fp8 else "no",
                          linear.reason or linear.fp8_reason))
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
 

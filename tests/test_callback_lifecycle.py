@@ -188,6 +188,9 @@ def test_the_table_says_a_cpu_run_is_high_precision_and_why(tmp_path):
     make_trainer(tmp_path, [on_cpu], max_steps=1).fit(BoringMLPModel())
     table = on_cpu.table()
     assert "fused, high precision" in table and "FP8 GEMMs need a CUDA GPU" in table and "│ FP8 " not in table
+    # the plain linear after the chain (an FP8Linear) fuses nothing: "high precision" alone
+    row = next(line for line in table.splitlines() if "mlp.2" in line)
+    assert "│ high precision" in row and "fused" not in row
     emulated = FusedBackwardCallback(benchmark="off", emulate=True)  # FP8 runs on CPU: the table says FP8
     make_trainer(tmp_path, [emulated], max_steps=1).fit(BoringMLPModel())
     assert "│ FP8 " in emulated.table() and "need a CUDA GPU" not in emulated.table()

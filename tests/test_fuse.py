@@ -425,6 +425,8 @@ def test_report_rendering():
     assert text == report.table()
     assert "0.mlp.c_fc" in text and "FusedLinearBiasActivation" in text and "Dropout (`drop`)" in text
     assert "1 of 2 chains fused" in text
+    header = text.splitlines()[0].split()
+    assert header[:8] == ["name", "kind", "in", "out", "activation", "swapped", "to", "fp8"] and "shape" in header
     as_dict = report.to_dict()
     assert as_dict["config"]["convert"] == "all"
     assert {c["name"]: c["fused"] for c in as_dict["chains"]} == {"0.mlp.c_fc": True, "1.fc": False}

@@ -85,14 +85,21 @@ def test_hand_off_changes_no_result(dtype):
             assert torch.equal(value, state_b[key]), key
 
 
-def test_a_modified_or_different_input_is_quantized_by_the_consumer():
-    torch.manual_seed(3)
-    fc = FusedLinearBiasActivation(nn.Linear(16, 32), "relu", emulate=True)
+def _pair(linked, activation="gelu", seed=11):
+    """A chain and the FP8Linear after it, on one scaling state; ``linked``: the chain hands off to it."""
+    torch.manual_seed(seed)
+    fc = FusedLinearBiasActivation(nn.Linear(16, 32), activation, emulate=True)
     proj = FP8Linear(nn.Linear(32, 16), emulate=True)
     state = FP8ScalingState()
     fc.bind_fp8_state(state, "fc")
     proj.bind_fp8_state(state, "proj")
-    fc.link_consumer(proj)
+    if linked:
+        fc.link_consumer(proj)
+    return fc, proj, state
+
+
+def test_a_modified_or_different_input_is_quantized_by_the_consumer():
+    fc, proj, _ = _pair(True, "relu", seed=3)
     x = torch.randn(8, 16)
     calls, patch = _counting_quantize()
     with patch, fp8_autocast(DelayedScaling()):
@@ -182,18 +189,6 @@ def test_the_row_wise_copy_handed_over_is_freed_after_the_consumer_forward():
     del y
     gc.collect()
     assert transposed() is None
-
-
-def _pair(linked):
-    torch.manual_seed(11)
-    fc = FusedLinearBiasActivation(nn.Linear(16, 32), "gelu", emulate=True)
-    proj = FP8Linear(nn.Linear(32, 16), emulate=True)
-    state = FP8ScalingState()
-    fc.bind_fp8_state(state, "fc")
-    proj.bind_fp8_state(state, "proj")
-    if linked:
-        fc.link_consumer(proj)
-    return fc, proj, state
 
 
 _SEQUENCES = {

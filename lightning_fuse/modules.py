@@ -236,10 +236,11 @@ def _emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     if problems:
         raise RuntimeError(f"FP8 GEMM {m}x{k} @ {k_b}x{n} ({a.dtype}, {b.dtype}) that cuBLASLt would reject: "
                            + "; ".join(problems))
-    out = torch.mm(a.to(torch.float32), b.to(torch.float32)).mul_(scale_a.float() * scale_b.float())
-    if bias is not None:
-        out += bias.to(torch.float32)
-    return out.to(out_dtype)
+    with torch.autocast(a.device.type, enabled=False):  # float32 throughout, as the GPU's accumulator
+        out = torch.mm(a.to(torch.float32), b.to(torch.float32)).mul_(scale_a.float() * scale_b.float())
+        if bias is not None:
+            out += bias.to(torch.float32)
+        return out.to(out_dtype)
 
 
 def _add_bias_and_activate(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]):
@@ -445,7 +446,9 @@ class FP8LinearBase(nn.Module):
     def _consumer_for(self, plan: _FP8Plan) -> Optional["FP8Linear"]:
         """The linked consumer when this call can write its FP8 input, else ``None``."""
         consumer = self._consumer[0] if self._consumer else None
+        # (not in a checkpointed recomputation: its consumer may be outside the region and never take it)
         if (consumer is None or not self.activation or not isinstance(plan.recipe, DelayedScaling)
+                or plan.replay is not None
                 or torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or not use_triton(self.weight)):
             # (inference tensors have no version counter, so a change in place could not be seen)
             return None
@@ -488,10 +491,10 @@ class FP8LinearBase(nn.Module):
         """The recipe when this call runs FP8, else ``None`` (warning once where FP8 was asked for)."""
         ctx = active_context()
         compiling = torch.compiler.is_compiling()  # (the graph task id below is not traceable)
-        if ctx is None and not compiling and torch._C._current_graph_task_id() != -1:
-            # Activation checkpointing recomputes the forward during backward, outside the context:
-            # it must take the path the original forward took, with the scales it took (the context's
-            # exit may have updated them since: a new scale tensor, so the forward's stays as it was).
+        if not compiling and torch._C._current_graph_task_id() != -1:
+            # Activation checkpointing recomputes the forward during backward (outside the context, or in
+            # it): it must take the path the original forward took, with the scales it took (an update
+            # since, at the context's exit or at an optimizer step, made new scale tensors).
             recipe, self.__dict__["_replay"] = self._recompute
             return recipe
         recipe = self._fp8_recipe_in(ctx, x) if ctx is not None else None

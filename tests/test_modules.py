@@ -716,8 +716,9 @@ def test_the_cpu_fp8_gemm_refuses_what_cublaslt_refuses(case, match):
         lightning_fuse.modules._scaled_mm(a, b, scale_a, one, out_dtype, bias=bias)
 
 
+@pytest.mark.parametrize("update", ["at-exit", "inside"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_a_checkpointed_recomputation_quantizes_with_its_forwards_scales(reentrant):
+def test_a_checkpointed_recomputation_quantizes_with_its_forwards_scales(reentrant, update):
     # Outside Lightning the backward runs after the fp8_autocast block, whose exit updates the delayed
     # scales: the recomputation of a checkpointed forward must still quantize with the scales its
     # forward used (and record no amax a second time), so the step is bit-equal to an uncheckpointed one.
@@ -732,9 +733,15 @@ def test_a_checkpointed_recomputation_quantizes_with_its_forwards_scales(reentra
         grads = []
         for step in range(3):
             x = (torch.randn(16, 32) * (1.0 + step)).requires_grad_()  # growing amaxes: the scales move
-            with fp8_autocast(recipe):
-                y = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
-            (y.float() ** 2).sum().backward()  # after the exit: the scales were updated since the forward
+            if update == "at-exit":
+                with fp8_autocast(recipe):
+                    y = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
+                (y.float() ** 2).sum().backward()  # after the exit: the scales were updated since the forward
+            else:  # an optimizer step between a forward and its backward (manual optimization, a GAN's two)
+                with fp8_autocast(recipe, update_scales=False):
+                    y = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
+                    fp8_state_of(model).update(recipe, groups=("forward",))
+                    (y.float() ** 2).sum().backward()
             grads += [x.grad, *(p.grad.clone() for p in model.parameters())]
             model.zero_grad()
         state = fp8_state_of(model)
@@ -742,3 +749,16 @@ def test_a_checkpointed_recomputation_quantizes_with_its_forwards_scales(reentra
     (grads_a, state_a), (grads_b, state_b) = runs
     for a, b in zip(grads_a + state_a, grads_b + state_b):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
+def test_the_cpu_fp8_gemm_is_float32_under_autocast(autocast_dtype):
+    # The GPU accumulates in float32 whatever autocast says: so must the CPU emulation (a float16 matmul
+    # of 448-sized FP8 values overflows).
+    a = torch.full((16, 32), 448.0).to(torch.float8_e4m3fn)
+    b = _fp8_operand((48, 32), torch.float8_e4m3fn, 1).t()
+    one = torch.ones(())
+    expected = lightning_fuse.modules._scaled_mm(a, b, one, one, torch.float32)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        out = lightning_fuse.modules._scaled_mm(a, b, one, one, torch.float32)
+    assert torch.isfinite(out).all() and torch.equal(out, expected)

@@ -31,6 +31,7 @@ GPUs each group's update is one Triton launch (``kernels/scale_update.py``); the
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
@@ -256,11 +257,19 @@ class FP8ScalingState:
 
     @_outside_inference_mode
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if list(state.get("names", [])) != self.names:
-            raise ValueError(
-                f"FP8 state was saved for modules {state.get('names')} but this model has {self.names}; "
-                "fuse the same model with the same FuseConfig before loading"
-            )
+        saved = list(state.get("names", []))
+        if saved != self.names:
+            if any(name not in saved for name in self.names) or len(set(saved)) != len(saved):
+                raise ValueError(
+                    f"FP8 state was saved for modules {state.get('names')} but this model has {self.names}; "
+                    "fuse the same model with the same FuseConfig before loading"
+                )
+            # Saved for more modules than this model runs in FP8 (a linear FP8 cannot run is no longer
+            # converted, say): each module takes its own columns, the others are dropped.
+            dropped = [name for name in saved if name not in self.names]
+            warnings.warn(f"FP8 state: the scales saved for {dropped} are dropped: this model does not run "
+                          "them in FP8", stacklevel=2)
+            state = _columns_of(state, [saved.index(name) for name in self.names])
         if "forward.history" not in state:
             # Saved before the first FP8 step: back to that, so the next step allocates fresh histories and scales.
             self.groups = {}
@@ -279,3 +288,22 @@ class FP8ScalingState:
             for key in group.tensors():
                 value = state[f"{name}.{key}"].to(device)
                 setattr(group, key, aligned_scales(value) if key.startswith("scale") else value.clone())
+
+
+def _columns_of(state: dict[str, Any], modules: list[int]) -> dict[str, Any]:
+    """``state`` (a ``state_dict``) cut down to the columns of ``modules`` (indices into its names), in
+    that order: a module's two forward slots (``2 i``, ``2 i + 1``) and its backward slot ``i``."""
+    names = list(state["names"])
+    picked = {"forward": torch.tensor([slot for i in modules for slot in (2 * i, 2 * i + 1)], dtype=torch.long),
+              "backward": torch.tensor(modules, dtype=torch.long)}
+    out: dict[str, Any] = {"names": [names[i] for i in modules]}
+    for key, value in state.items():
+        group = key.split(".", 1)[0]
+        if key == "names":
+            continue
+        if group in picked and isinstance(value, torch.Tensor):
+            index = picked[group].to(value.device)
+            out[key] = value.index_select(value.dim() - 1, index)  # history: (length, slots); the rest: (slots,)
+        else:
+            out[key] = value
+    return out

@@ -314,6 +314,38 @@ def test_state_dict_round_trip():
         other.load_state_dict(saved)
 
 
+@pytest.mark.parametrize("allocated", [True, False], ids=["allocated", "before-the-first-step"])
+def test_a_state_saved_for_more_modules_loads_each_modules_own_columns(allocated):
+    # A checkpoint of a model fused when more of its linears ran FP8 (before a linear FP8 cannot run
+    # was left unconverted): each module this model has takes its own history, scales and counts.
+    modules = [FP8Linear(nn.Linear(16, 16), emulate=True) for _ in range(3)]
+    state = FP8ScalingState()
+    for name, module in zip("abc", modules):
+        module.bind_fp8_state(state, name)
+    recipe = DelayedScaling(amax_history_len=4)
+    for step in range(3):
+        for i, module in enumerate(modules):
+            _step(module, torch.randn(16, 16) * (i + 1) * (step + 1), recipe)
+    saved = state.state_dict()
+    restored = FP8ScalingState()
+    for name in "ac":
+        restored.register(name)
+    if allocated:
+        restored.ensure(4, torch.device("cpu"))
+    with pytest.warns(UserWarning, match=r"the scales saved for \['b'\] are dropped"):
+        restored.load_state_dict(saved)
+    restored.ensure(4, torch.device("cpu"))
+    for group, columns in (("forward", [0, 1, 4, 5]), ("backward", [0, 2])):
+        for key, value in state.groups[group].tensors().items():
+            expected = value[..., columns]
+            assert torch.equal(restored.groups[group].tensors()[key], expected), (group, key)
+    missing = FP8ScalingState()
+    for name in "ad":
+        missing.register(name)
+    with pytest.raises(ValueError, match=r"saved for modules \['a', 'b', 'c'\] but this model has \['a', 'd'\]"):
+        missing.load_state_dict(saved)
+
+
 def test_loading_a_state_saved_before_any_fp8_step_resets_the_scales():
     # A checkpoint taken before the first FP8 step holds no histories: loading it (a rollback to that
     # checkpoint) must give the state a fresh model has, not keep the scales learnt since.

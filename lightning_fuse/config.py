@@ -23,7 +23,7 @@ import functools
 import importlib
 from dataclasses import dataclass, fields
 from collections.abc import Sequence
-from typing import Any, Callable, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -83,33 +83,43 @@ class FuseConfig:
         return make_fuse_config(kwargs)
 
 
-def _field_names() -> Tuple[str, ...]:
-    return tuple(f.name for f in fields(FuseConfig))
-
-
-def _unknown_keys(keys) -> str:
-    """The message naming the keys of ``keys`` that are not fields, with the valid ones; "" if none."""
-    valid = _field_names()
+def unknown_names(owner: str, noun: str, given: Iterable[Any], valid: Sequence[str]) -> str:
+    """The message naming what of ``given`` is not in ``valid`` (each with its closest valid name) and
+    listing the valid ones, e.g. "unknown FuseConfig key(s) 'conver' (did you mean 'convert'?); valid
+    keys: ..."; "" if all are valid."""
     hints = []
-    for key in keys:
-        if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return f"unknown FuseConfig key(s) {', '.join(hints)}; valid keys: {', '.join(valid)}" if hints else ""
+    for name in given:
+        if name not in valid:
+            close = difflib.get_close_matches(str(name), valid, n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"unknown {owner} {noun}(s) {', '.join(hints)}; valid {noun}s: {', '.join(valid)}" if hints else ""
 
 
-_dataclass_init = FuseConfig.__init__
+def checked_fields(noun: str) -> Callable[[type], type]:
+    """A dataclass decorator: its constructor names a misspelt keyword's closest field and lists them
+    all in a ``TypeError`` (the generated one says only "unexpected keyword argument")."""
+    def decorate(cls: type) -> type:
+        init = cls.__init__
+        valid = tuple(f.name for f in fields(cls))
+
+        @functools.wraps(init)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+            message = unknown_names(cls.__name__, noun, kwargs, valid)
+            if message:
+                raise TypeError(message)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = checked  # type: ignore[method-assign]
+        return cls
+    return decorate
 
 
-def _checked_init(self: FuseConfig, *args: Any, **kwargs: Any) -> None:
-    # The generated __init__ would say only "unexpected keyword argument": name the valid keys too.
-    message = _unknown_keys(kwargs)
-    if message:
-        raise TypeError(message)
-    _dataclass_init(self, *args, **kwargs)
+checked_fields("key")(FuseConfig)
 
 
-FuseConfig.__init__ = _checked_init  # type: ignore[method-assign]
+def _unknown_keys(keys: Iterable[Any]) -> str:
+    """The message naming the keys of ``keys`` that are not ``FuseConfig`` fields; "" if none."""
+    return unknown_names("FuseConfig", "key", keys, tuple(f.name for f in fields(FuseConfig)))
 
 
 def make_fuse_config(config: Union[FuseConfig, Mapping[str, Any], DictConfig, None]) -> FuseConfig:

@@ -157,10 +157,7 @@ def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("lightning_fuse::scaled_mm", mutates_args=())
 def _scaled_mm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                   bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    if a.device.type == "cpu":  # as eager mode runs it there
-        return _emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+    return _scaled_mm_eager(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
 
 
 @_scaled_mm_op.register_fake
@@ -198,6 +195,12 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
         scale_b = scale_b.reshape(())
     if torch.compiler.is_compiling():
         return _scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
+    return _scaled_mm_eager(a, b, scale_a, scale_b, bias, out_dtype, fast_accum)
+
+
+def _scaled_mm_eager(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """The GEMM itself, eager or inside the opaque op: cuBLASLt on GPUs, the emulation on CPU."""
     if a.device.type == "cpu":
         return _emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,

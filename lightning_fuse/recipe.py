@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
-import functools
-from dataclasses import dataclass, fields
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Union
 
 import torch
+
+from .config import checked_fields
 
 __all__ = ["CurrentScaling", "DelayedScaling", "Recipe", "make_recipe"]
 
@@ -25,27 +25,6 @@ def _check_margin(margin: object) -> None:
         raise ValueError(f"`margin` must be a non-negative int (scale = fp8_max / amax / 2**margin); got {margin!r}")
 
 
-def _checked_fields(cls: type) -> type:
-    """``cls`` whose constructor names a misspelt field's closest valid one, and lists them all (the
-    generated one says only "unexpected keyword argument")."""
-    init = cls.__init__
-    valid = tuple(f.name for f in fields(cls))
-
-    @functools.wraps(init)
-    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
-        unknown = [key for key in kwargs if key not in valid]
-        if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, valid, n=1)
-                hints.append(repr(key) + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise TypeError(f"unknown {cls.__name__} field(s) {', '.join(hints)}; valid fields: {', '.join(valid)}")
-        init(self, *args, **kwargs)
-
-    cls.__init__ = checked  # type: ignore[method-assign]
-    return cls
-
-
 class _HybridFormats:
     """The FP8 dtypes of a recipe's ``fp8_format``."""
 
@@ -60,7 +39,7 @@ class _HybridFormats:
         return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
 
 
-@_checked_fields
+@checked_fields("field")
 @dataclass(frozen=True)
 class DelayedScaling(_HybridFormats):
     """Scales from a history of past amaxes (TransformerEngine's delayed scaling).
@@ -88,7 +67,7 @@ class DelayedScaling(_HybridFormats):
             raise TypeError(f"`reduce_amax` must be a bool; got {self.reduce_amax!r} ({type(self.reduce_amax).__name__})")
 
 
-@_checked_fields
+@checked_fields("field")
 @dataclass(frozen=True)
 class CurrentScaling(_HybridFormats):
     """Scales from each tensor's own amax, computed just before it is cast (one extra read pass)."""

@@ -36,6 +36,7 @@ from common import (
 from lightning_fuse.kernels import (activation_derivative_reference, bias_act_reference, dact_dbias_quantize,
                                     dbias_quantize, quantize)
 from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
+from lightning_fuse.kernels.activations import activation_id
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
 
 # the module, not the function the package exports under the same name
@@ -137,22 +138,25 @@ def _sweep_config(per_sm, m, n, bm, bn, warps, stages, max_registers, cyclic, re
 
 
 def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", "fill", 8), on_row=None, variants=None,
-          kernel="dact_dbias_quantize", row_orders=(False,)):
+          kernel="dact_dbias_quantize", row_orders=(False,), activation_name="gelu_tanh"):
     """Times launch configurations of one pass (``SWEEP_KERNELS``): ``variants`` (by default
     ``SWEEP_VARIANTS[kernel]``) x programs per multiprocessor (``_sweep_config``) x ``row_orders``
     (``LaunchConfig.cyclic_rows``). Checks every output of each, and returns the rows; ``on_row`` sees
-    each row as it is made."""
+    each row as it is made. The passes with an activation (the fused pass, the forward activation)
+    take ``activation_name``."""
     activation, fp8_code, with_dbias, fp8_dtype = SWEEP_KERNELS[kernel]
+    if activation:
+        activation = activation_id(activation_name)
     grad = torch.randn(m, n, device="cuda", dtype=dtype) * (2 if kernel == "bias_act" else 1)
     pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2 if kernel == "dact_dbias_quantize" else None
     scale = torch.tensor(2048.0 if fp8_code == 2 else 32.0, device="cuda")
     amax = torch.zeros(1, device="cuda")
     if kernel == "bias_act":
-        ref = bias_act_reference(grad, None, "gelu_tanh", scale=scale, fp8_dtype=FWD, transpose=True)
+        ref = bias_act_reference(grad, None, activation_name, scale=scale, fp8_dtype=FWD, transpose=True)
         ref = (ref[1], ref[2], None)
         y = torch.empty_like(grad)
     elif activation:
-        ref = _dact_reference(grad, pre, scale, GRAD)
+        ref = _dact_reference(grad, pre, scale, GRAD, activation_name)
     elif with_dbias:
         ref = unfused_dbias_quantize(grad.float(), scale, GRAD, amax.clone())
     else:
@@ -173,7 +177,8 @@ def sweep(m=16384, n=6400, dtype=torch.bfloat16, per_sm_values=("occ", "occ2", "
                                                                            per_sm_values, row_orders):
         max_registers = cap[0] if cap else 0
         prefetch = bool(cap[1]) if len(cap) > 1 else False
-        row = dict(kernel=kernel, M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages,
+        row = dict(kernel=kernel if activation_name == "gelu_tanh" or not activation else f"{kernel} {activation_name}",
+                   M=m, N=n, block_m=bm, block_n=bn, warps=warps, stages=stages,
                    max_registers=max_registers, prefetch=prefetch, per_sm=per_sm, cyclic=cyclic)
         try:
             compiled = launch(LaunchConfig(bm, bn, warps, 1, stages, max_registers, cyclic_rows=cyclic,
@@ -305,7 +310,7 @@ def main():
     parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in SIZES))
     parser.add_argument("--activation", choices=sorted(GELUS), default="gelu_tanh",
                         help="the fused pass's GELU in the timed table (the eager sequence's gelu_backward takes "
-                             "the same one); --sweep times gelu_tanh")
+                             "the same one), and in --sweep's fused pass and forward activation")
     parser.add_argument("--passes", help="time only these passes, comma-separated (default: every pass)")
     args = parser.parse_args()
     passes = None
@@ -339,10 +344,12 @@ def main():
                     variants = [tuple(int(v) for v in spec.split(":")[1].split(","))
                                 for spec in args.sweep_variants.split(";") if spec.split(":")[0] == kernel]
                 sweep_rows += sweep(m, n, on_row=on_row, kernel=kernel, variants=variants, per_sm_values=grids,
-                                    row_orders=(False, True) if args.sweep_cyclic else (False,))
+                                    row_orders=(False, True) if args.sweep_cyclic else (False,),
+                                    activation_name=args.activation)
                 if args.sweep_separate_sum and SWEEP_KERNELS[kernel][2]:
                     with separate_sum_launch():
-                        rows = sweep(m, n, on_row=None, kernel=kernel, variants=variants, per_sm_values=grids)
+                        rows = sweep(m, n, on_row=None, kernel=kernel, variants=variants, per_sm_values=grids,
+                                     activation_name=args.activation)
                     for r in rows:
                         r["kernel"] += " (sum launched)"
                         r["frac_copy"] = r.get("GBps", float("nan")) / copy_gbps

@@ -253,7 +253,13 @@ def _add_bias_and_activate(h: torch.Tensor, bias: Optional[torch.Tensor], activa
         y, _, _ = bias_act(h, bias, activation, pre_act_out=h)
         return h, y
     if bias is not None:
-        h.add_(bias.to(h.dtype))
+        if activation or not torch.compiler.is_compiling():
+            h.add_(bias.to(h.dtype))
+        else:
+            # Out of place: the output of the FP8 function itself. torch 2.11's trace of an autograd.Function
+            # whose output was changed in place inside its forward gave its backward zeros for that
+            # output's gradient (torch 2.13's did not).
+            h = h + bias.to(h.dtype)
     return h, (activation_forward(h, activation) if activation else h)
 
 
@@ -601,7 +607,8 @@ class FP8LinearBase(nn.Module):
         if not self.fused:
             return self._plain_forward(x)
         fp8 = self._fp8_recipe(x)
-        replay = self.__dict__.pop("_replay", None)
+        # (a traced graph never replays: _fp8_recipe sets _replay in eager recomputations only)
+        replay = None if torch.compiler.is_compiling() else self.__dict__.pop("_replay", None)
         if fp8 is not None:
             grad_enabled = torch.is_grad_enabled()
             need_wgrad = self.weight.requires_grad and grad_enabled

@@ -54,13 +54,13 @@ class BoringMLPModel(LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, target = batch
-        loss = F.mse_loss(self(x).float(), target)
+        loss = F.mse_loss(self(x).float(), target.float())
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, target = batch
-        loss = F.mse_loss(self(x).float(), target)
+        loss = F.mse_loss(self(x).float(), target.float())
         self.log("val_loss", loss)
         return loss
 

@@ -88,7 +88,7 @@ def _path_of(module: nn.Module) -> str:
 
 def parent_running() -> bool:
     """Whether a parent forward with a skipped activation call is running (cheap: checked per call)."""
-    return bool(_MODES)
+    return len(_MODES) != 0  # (torch 2.11's dynamo cannot trace bool() of a list)
 
 
 @contextlib.contextmanager

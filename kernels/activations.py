@@ -23,6 +23,7 @@ __all__ = [
     "act_derivative",
     "activation_reference",
     "activation_derivative_reference",
+    "add_rounded",
 ]
 
 # The kernels' ACTIVATION constexpr; 0 means "no activation" (plain bias gradient / quantize).
@@ -55,6 +56,23 @@ def _rcp(d):
                                          is_pure=True, pack=1)
     else:
         return tl.fdiv(1.0, d)
+
+
+@triton.jit
+def add_rounded(a, b):
+    """``a + b`` as ``add.rn.f32``, into which ``ptxas`` never fuses the multiply that made ``a`` or ``b``.
+
+    A plain add may take in a product as one fused multiply-add, and whether it does depends on the
+    code around it: the fused pass's bias-gradient partials differed in the last bits between its
+    build that sums them itself and the one a second launch sums (468 of 1,200 partials on an H100,
+    the dx they came from identical). Adding with an explicit rounding gives the bias gradient the
+    very products the FP8 copy is made of, in every build."""
+    if _PTX:
+        # (libdevice's add_rn is add.rn.ftz, which would flush subnormal gradients to zero)
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a + b
 
 
 @triton.jit

@@ -127,7 +127,7 @@ print(json.dumps(counts))
 def test_the_bias_gradient_sums_the_products_the_fp8_copy_is_made_of():
     # ptxas may fuse a product into an addition that uses it, and whether it does depended on the code
     # around: the pass's build that sums the bias gradient itself and the one whose sum a second launch
-    # does (eager and torch.compile) gave partials 1 ulp apart in 468 of 1,200 columns on an H100. The
+    # does (eager and torch.compile) gave partials that differed in 468 of 1,200 entries on an H100. The
     # bias gradient's additions are not fusable: a build with the bias gradient has exactly the fused
     # multiply-adds of one without.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -5,7 +5,6 @@ float64, and the delayed-scaling state machine (history roll, margin, non-finite
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import pickle
 import warnings
@@ -748,39 +747,47 @@ def test_the_cpu_fp8_gemm_refuses_what_cublaslt_refuses(case, match):
         lightning_fuse.modules._scaled_mm(a, b, scale_a, one, out_dtype, bias=bias)
 
 
+def _fused_mlp_steps(wrap, step):
+    """Three delayed-scaling steps of one fused MLP, the same weights and inputs on every call: each
+    step's input and parameter gradients, then the scaling state's tensors. ``wrap(model)`` is what
+    runs the model; ``step(run, x, model, recipe)`` runs one forward and backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 32))
+    fuse_(model, FuseConfig(convert="mlp", emulate=True))
+    run = wrap(model)
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(1)
+    results = []
+    for i in range(3):
+        x = (torch.randn(16, 32) * (1.0 + i)).requires_grad_()  # growing amaxes: the scales move
+        step(run, x, model, recipe)
+        results += [x.grad, *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad()
+    state = fp8_state_of(model)
+    return results + [t.clone() for g in state.groups.values() for t in g.tensors().values()]
+
+
 @pytest.mark.parametrize("update", ["at-exit", "inside"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_a_checkpointed_recomputation_quantizes_with_its_forwards_scales(reentrant, update):
     # Outside Lightning the backward runs after the fp8_autocast block, whose exit updates the delayed
     # scales: the recomputation of a checkpointed forward must still quantize with the scales its
     # forward used (and record no amax a second time), so the step is bit-equal to an uncheckpointed one.
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(32, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 32))
-    runs = []
-    for checkpointed in (True, False):
-        model = copy.deepcopy(base)
-        fuse_(model, FuseConfig(convert="mlp", emulate=True))
-        recipe = DelayedScaling(amax_history_len=4)
-        torch.manual_seed(1)
-        grads = []
-        for step in range(3):
-            x = (torch.randn(16, 32) * (1.0 + step)).requires_grad_()  # growing amaxes: the scales move
-            if update == "at-exit":
-                with fp8_autocast(recipe):
-                    y = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
-                (y.float() ** 2).sum().backward()  # after the exit: the scales were updated since the forward
-            else:  # an optimizer step between a forward and its backward (manual optimization, a GAN's two)
-                with fp8_autocast(recipe, update_scales=False):
-                    y = checkpoint(model, x, use_reentrant=reentrant) if checkpointed else model(x)
-                    fp8_state_of(model).update(recipe, groups=("forward",))
-                    (y.float() ** 2).sum().backward()
-            grads += [x.grad, *(p.grad.clone() for p in model.parameters())]
-            model.zero_grad()
-        state = fp8_state_of(model)
-        runs.append((grads, [t.clone() for g in state.groups.values() for t in g.tensors().values()]))
-    (grads_a, state_a), (grads_b, state_b) = runs
-    for a, b in zip(grads_a + state_a, grads_b + state_b):
-        assert torch.equal(a, b)
+    def step(run, x, model, recipe):
+        if update == "at-exit":
+            with fp8_autocast(recipe):
+                y = run(x)
+            (y.float() ** 2).sum().backward()  # after the exit: the scales were updated since the forward
+        else:  # an optimizer step between a forward and its backward (manual optimization, a GAN's two)
+            with fp8_autocast(recipe, update_scales=False):
+                y = run(x)
+                fp8_state_of(model).update(recipe, groups=("forward",))
+                (y.float() ** 2).sum().backward()
+
+    checkpointed = _fused_mlp_steps(lambda model: lambda x: checkpoint(model, x, use_reentrant=reentrant), step)
+    plain = _fused_mlp_steps(lambda model: model, step)
+    assert len(checkpointed) == len(plain) > 12
+    assert all(torch.equal(a, b) for a, b in zip(checkpointed, plain))
 
 
 class _Checkpointed(nn.Module):
@@ -798,27 +805,16 @@ def test_a_compiled_checkpointed_block_matches_eager_with_the_backward_after_the
     # bit-equal to eager ones without checkpointing. (The other order, checkpoint over a compiled block,
     # recompiles the block outside the context and PyTorch's checkpoint rejects the recomputation: README.)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references: a triton_op cannot compile on CPU
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(32, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 32))
-    runs = []
-    for compiled in (False, True):
-        model = copy.deepcopy(base)
-        fuse_(model, FuseConfig(convert="mlp", emulate=True))
-        run = torch.compile(_Checkpointed(model), backend="aot_eager") if compiled else model
-        recipe = DelayedScaling(amax_history_len=4)
-        torch.manual_seed(1)
-        grads = []
-        for step in range(3):
-            x = (torch.randn(16, 32) * (1.0 + step)).requires_grad_()
-            with fp8_autocast(recipe):
-                y = run(x)
-            (y.float() ** 2).sum().backward()
-            grads += [x.grad, *(p.grad.clone() for p in model.parameters())]
-            model.zero_grad()
-        state = fp8_state_of(model)
-        runs.append(grads + [t.clone() for g in state.groups.values() for t in g.tensors().values()])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-    assert len(runs[0]) == len(runs[1]) > 12
+
+    def step(run, x, model, recipe):
+        with fp8_autocast(recipe):
+            y = run(x)
+        (y.float() ** 2).sum().backward()
+
+    compiled = _fused_mlp_steps(lambda model: torch.compile(_Checkpointed(model), backend="aot_eager"), step)
+    eager = _fused_mlp_steps(lambda model: model, step)
+    assert len(compiled) == len(eager) > 12
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])

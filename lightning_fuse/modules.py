@@ -247,19 +247,16 @@ def _emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 
 
 def _add_bias_and_activate(h: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]):
-    """``(pre_act, y)``: the bias (if any) added to the GEMM output in place, then the activation (one
-    pass on GPUs)."""
+    """``(pre_act, y)``: the bias (if any) added to the GEMM output, then the activation (one pass on
+    GPUs, into the GEMM output)."""
     if activation and use_triton(h):
         y, _, _ = bias_act(h, bias, activation, pre_act_out=h)
         return h, y
     if bias is not None:
-        if activation or not torch.compiler.is_compiling():
-            h.add_(bias.to(h.dtype))
-        else:
-            # Out of place: the output of the FP8 function itself. torch 2.11's trace of an autograd.Function
-            # whose output was changed in place inside its forward gave its backward zeros for that
-            # output's gradient (torch 2.13's did not).
-            h = h + bias.to(h.dtype)
+        # Out of place (the same traffic): without an activation h is the FP8 function's output, and torch
+        # 2.11's trace of an autograd.Function whose output its forward changed in place gave that
+        # output's gradient as zeros.
+        h = h + bias.to(h.dtype)
     return h, (activation_forward(h, activation) if activation else h)
 
 
@@ -496,21 +493,22 @@ class FP8LinearBase(nn.Module):
         h = F.linear(x, w, self.bias)
         return activation_forward(h, self.activation) if self.activation else h
 
-    def _fp8_recipe(self, x: torch.Tensor) -> Optional[Recipe]:
-        """The recipe when this call runs FP8, else ``None`` (warning once where FP8 was asked for)."""
+    def _fp8_recipe(self, x: torch.Tensor) -> tuple[Optional[Recipe], Optional[tuple]]:
+        """``(recipe, replay)``: the recipe when this call runs FP8, else ``None`` (warning once where FP8
+        was asked for); in a checkpointed recomputation, the forward scales its forward used
+        (``_FP8Plan.replay``), else ``None``."""
         ctx = active_context()
         compiling = torch.compiler.is_compiling()  # (the graph task id below is not traceable)
         if not compiling and torch._C._current_graph_task_id() != -1:
             # Activation checkpointing recomputes the forward during backward (outside the context, or in
             # it): it must take the path the original forward took, with the scales it took (an update
             # since, at the context's exit or at an optimizer step, made new scale tensors).
-            recipe, self.__dict__["_replay"] = self._recompute
-            return recipe
+            return self._recompute
         recipe = self._fp8_recipe_in(ctx, x) if ctx is not None else None
         if not compiling:  # what a recomputation of this forward must do
             forward = self.fp8_state.groups.get("forward") if isinstance(recipe, DelayedScaling) else None
             self.__dict__["_recompute"] = (recipe, (forward.scale, forward.scale_inv) if forward is not None else None)
-        return recipe
+        return recipe, None
 
     def _fp8_recipe_in(self, ctx: FP8Context, x: torch.Tensor) -> Optional[Recipe]:
         if not ctx.enabled:
@@ -606,9 +604,7 @@ class FP8LinearBase(nn.Module):
         handed = None if torch.compiler.is_compiling() else self.__dict__.pop("_fp8_input", None)
         if not self.fused:
             return self._plain_forward(x)
-        fp8 = self._fp8_recipe(x)
-        # (a traced graph never replays: _fp8_recipe sets _replay in eager recomputations only)
-        replay = None if torch.compiler.is_compiling() else self.__dict__.pop("_replay", None)
+        fp8, replay = self._fp8_recipe(x)
         if fp8 is not None:
             grad_enabled = torch.is_grad_enabled()
             need_wgrad = self.weight.requires_grad and grad_enabled

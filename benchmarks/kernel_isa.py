@@ -50,7 +50,8 @@ _BIAS_ACT_TYPES = ["*bf16", "*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*
 
 def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
     rule = LAUNCH_RULES[pass_name]
-    rule = rule.alternative if alternative else rule
+    while alternative and rule.loop_stages == 0:  # the rule's form with a pipelined loop
+        rule = rule.alternative
     constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
                      TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize",
                      FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True, ENCODER=1, PACK_T=True,

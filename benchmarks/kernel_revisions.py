@@ -6,7 +6,8 @@ package as a module of its own (its relative imports resolve to the installed ``
 ``activations`` and ``fp8``; its ``triton_op`` registrations are skipped), so all of them run in
 one process, on the same data, on the same card. Each pass is launched through the copy's own
 ``_launch`` with the launch the installed library picks (grid ``shipped``), with ``K`` row tiles
-per program (``tK``) or whole waves of ``K`` programs per multiprocessor (``pK``), and optionally
+per program (``tK``), whole waves of ``K`` programs per multiprocessor (``pK``) or the queued
+form (``qKcC``: ``K`` programs per multiprocessor taking chunks of ``C`` row tiles), and optionally
 other tiles (``--tiles``).
 
 Every launch is checked first: the transposed copy equal to the row-wise one in every byte, the
@@ -77,21 +78,30 @@ def load_source(name: str, path: str | Path):
 
 
 def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str,
-                tiles: tuple | None) -> LaunchConfig:
+                tiles: tuple | None, dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     """The launch for ``grid``: ``shipped`` (the installed library's rule, its tiles), ``tK`` (``K`` row
     tiles per program) or ``pK`` (the shipped rules' fewest whole waves filled to 85% at ``K`` programs per
     multiprocessor, none over 8192 rows), with the shipped tiles or ``tiles`` = (block_m, block_n,
-    warps, loop stages, prefetch)."""
-    shipped = launch_config(pass_name, m, n, device)
+    warps, loop stages, prefetch[, register cap: the queued form only])."""
+    shipped = launch_config(pass_name, m, n, device, dtype)
     if tiles is None:
         tiles = (shipped.block_m, shipped.block_n, shipped.num_warps, shipped.loop_stages, int(shipped.prefetch))
-    block_m, block_n, warps, stages, prefetch = tiles
+    block_m, block_n, warps, stages, prefetch = tiles[:5]
+    registers = tiles[5] if len(tiles) > 5 else 0
     if grid == "shipped":
         return shipped
     kind, count = grid[:1], grid[1:]
+    if kind == "q":
+        programs, _, chunk = count.partition("c")
+        if not (programs.isdigit() and chunk.isdigit() and int(programs) >= 1 and int(chunk) >= 1):
+            raise ValueError(f"grid {grid!r}: expected qKcC (the queued form: K programs per multiprocessor, "
+                             f"chunks of C row tiles), K, C >= 1")
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        return LaunchConfig(block_m, block_n, warps, sms * int(programs), prefetch=True, chunk_tiles=int(chunk),
+                            max_registers=registers)
     if kind not in ("t", "p") or not count.isdigit() or int(count) < 1:
-        raise ValueError(f"grid {grid!r}: expected 'shipped', tK (K row tiles per program) or pK (whole waves of K "
-                         f"programs per multiprocessor), K >= 1")
+        raise ValueError(f"grid {grid!r}: expected 'shipped', tK (K row tiles per program), pK (whole waves of K "
+                         f"programs per multiprocessor) or qKcC (the queued form), K >= 1")
     if kind == "t":
         rule = LaunchRule(block_m, block_n, warps, stages, 1, True, prefetch=bool(prefetch),
                           tiles_per_program=int(count), min_waves=0)
@@ -101,24 +111,27 @@ def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str,
     return _pick_config(m, n, device, rule)
 
 
-def _inputs(m, n, device):
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _inputs(m, n, device, dtype=torch.bfloat16):
     gen = torch.Generator(device="cpu").manual_seed(m * 7 + n)
-    grad = torch.randn(m, n, generator=gen).to(device, torch.bfloat16)
-    pre = (torch.randn(m, n, generator=gen) * 2).to(device, torch.bfloat16)
+    grad = torch.randn(m, n, generator=gen).to(device, dtype)
+    pre = (torch.randn(m, n, generator=gen) * 2).to(device, dtype)
     return grad, pre
 
 
 def compare(sources: dict, sizes, passes, grids, tile_sets, rounds: int, device: torch.device,
-            scale: float | None = None):
+            scale: float | None = None, dtype: torch.dtype = torch.bfloat16):
     rows = []
     for (m, n), pass_name in itertools.product(sizes, passes):
-        grad, pre = _inputs(m, n, device)
+        grad, pre = _inputs(m, n, device, dtype)
         scale_t = torch.tensor(scale or PASSES[pass_name][4], device=device)
         amax = torch.zeros(1, device=device)
         reference = _reference(pass_name, grad, pre, scale_t)
         configs = {}  # one launch per distinct configuration, named by the first grid that gives it
         for grid, tiles in itertools.product(grids, tile_sets):
-            configs.setdefault(grid_config(pass_name, m, n, device, grid, tiles), grid)
+            configs.setdefault(grid_config(pass_name, m, n, device, grid, tiles, dtype), grid)
         for cfg, grid in configs.items():
             rows += _compare_one(sources, pass_name, m, n, grad, pre, scale_t, amax, reference, cfg, grid, rounds,
                                  device)
@@ -204,8 +217,9 @@ def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, reference, cf
 
 def _tiles(spec: str) -> tuple:
     values = spec.split(",")
-    if len(values) != 5 or not all(v.isdigit() for v in values):
-        raise ValueError(f"--tiles {spec!r}: expected 5 integers block_m,block_n,warps,loop_stages,prefetch")
+    if len(values) not in (5, 6) or not all(v.isdigit() for v in values):
+        raise ValueError(f"--tiles {spec!r}: expected 5 or 6 integers block_m,block_n,warps,loop_stages,prefetch"
+                         f"[,register cap]")
     return tuple(int(v) for v in values)
 
 
@@ -215,15 +229,17 @@ def main():
                         help="a copy of kernels/dact_dbias_quantize.py; the first is the baseline")
     parser.add_argument("--passes", default="dbias_quantize,dact_dbias_quantize")
     parser.add_argument("--sizes", help="MxN,... (default: the kernel table's sizes; 64x96,130x40 on CPU)")
-    parser.add_argument("--grids", default="shipped", help="shipped, tK (K row tiles per program) or pK (whole "
-                        "waves of K programs per multiprocessor), comma-separated")
-    parser.add_argument("--tiles", action="append", help="block_m,block_n,warps,loop_stages,prefetch for the tK and pK "
-                        "grids (repeatable; default: the shipped launch's)")
+    parser.add_argument("--grids", default="shipped", help="shipped, tK (K row tiles per program), pK (whole "
+                        "waves of K programs per multiprocessor) or qKcC (the queued form: K programs per "
+                        "multiprocessor taking chunks of C row tiles), comma-separated")
+    parser.add_argument("--tiles", action="append", help="block_m,block_n,warps,loop_stages,prefetch[,register cap] for "
+                        "the tK, pK and qKcC grids (repeatable; default: the shipped launch's; the cap applies to qKcC)")
     parser.add_argument("--public", action="store_true", help="also time the installed package's own function "
                         "(outputs allocated per call, its shipped launch) as a source named 'public', in the shipped grid")
     parser.add_argument("--scale", type=float, help="the FP8 scale (default: 2048 for the gradients' passes, 32 for "
                         "the cast)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the inputs' dtype")
     parser.add_argument("--out", default="results/kernel_revisions")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -245,7 +261,7 @@ def main():
     tile_sets = [_tiles(spec) for spec in args.tiles] if args.tiles else [None]
     copy_gbps = copy_bandwidth_gbps() if device.type == "cuda" else float("nan")
     rows = compare(sources, parse_sizes(args.sizes or default_sizes), passes, args.grids.split(","), tile_sets,
-                   args.rounds, device, args.scale)
+                   args.rounds, device, args.scale, DTYPES[args.dtype])
     for row in rows:
         row["frac_copy"] = row["GBps"] / copy_gbps
     write_results(args.out, "revisions", rows, {"sources": dict(s.partition("=")[::2] for s in args.source),

@@ -125,7 +125,7 @@ def _tma_variant_kernel(grad_ptr, pre_ptr, out_ptr, out_t_ptr, g_desc, p_desc, o
             ddq.store_packed_transpose(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_t, c0, c1, c2, c3)
     if COMPUTE_DBIAS:
         ddq.store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, pid_m, pid_n, offs_n, mask_n,
-                                        N, True, False)
+                                        N, tl.num_programs(1), True, False)
     tl.atomic_max(amax_ptr, amax_finish(amax_acc))
 
 

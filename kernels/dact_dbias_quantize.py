@@ -209,13 +209,122 @@ def _dact_dbias_quantize_kernel(
         # (dbias_quantize 2.4% and 3.1% faster at 8192x3072 and 32768x8192 on an H100, the other passes
         # within 1%: BENCHMARKS.md, "The last tile after the loop").
         store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, pid_m, pid_n, offs_n, mask_n, N,
-                                    FINISH_DBIAS, DBIAS_BF16)
+                                    tl.num_programs(1), FINISH_DBIAS, DBIAS_BF16)
     if COMPUTE_AMAX:
         amax_acc = amax_update(amax_update(amax_update(amax_update(amax_acc, d0), d1), d2), d3)
         tl.atomic_max(amax_ptr, amax_finish(amax_acc), sem="relaxed")
     if STORE_OUT:
         _store_tile(out_ptr, out_t_ptr, last, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m,
                     stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+
+
+@triton.jit
+def _chunk(chunk, strips, chunk_rows, M):
+    """Chunk ``chunk`` of the queued form: its column strip, its row of chunks and its rows
+    ``[start, end)``. Chunks are numbered strip first, so the programs running at one time work on
+    the same few rows across all strips, as the row groups of the other form do. A chunk past the
+    last one has no rows (``start >= M``)."""
+    strip = chunk % strips
+    row = chunk // strips
+    start = row * chunk_rows
+    return strip, row, start, tl.minimum(start + chunk_rows, M)
+
+
+@triton.jit
+def _take_chunk(queue_ptr, chunk, programs, DYNAMIC: tl.constexpr):
+    """The chunk a program takes after ``chunk``: the queue's next one (every program starts on the
+    chunk of its own index, so the queue hands out ``programs``, ``programs + 1``, ...), or without
+    ``DYNAMIC`` the chunk ``programs`` further on."""
+    if DYNAMIC:
+        return programs + tl.atomic_add(queue_ptr, 1, sem="relaxed")
+    else:
+        return chunk + programs
+
+
+@triton.jit
+def _dact_dbias_quantize_queued_kernel(
+    grad_ptr, pre_act_ptr, out_ptr, out_t_ptr, partial_ptr, dbias_ptr, counter_ptr, queue_ptr, scale_ptr, amax_ptr,
+    stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n, stride_out_m, stride_out_t_n,
+    M, N, chunk_rows, chunks_per_strip,
+    ACTIVATION: tl.constexpr, FP8_FORMAT: tl.constexpr, STORE_OUT: tl.constexpr, TRANSPOSE: tl.constexpr,
+    PACK_T: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, FINISH_DBIAS: tl.constexpr, DBIAS_BF16: tl.constexpr,
+    COMPUTE_AMAX: tl.constexpr, ENCODER: tl.constexpr,
+    DYNAMIC: tl.constexpr,  # chunks handed out by the queue (queue_ptr) as programs free up, else in a fixed stride
+    INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # The queued form of the pass (LaunchConfig.chunk_tiles): one program per slot of the card, each
+    # taking chunks of a few row tiles of one column strip until none is left. A chunk's bias-gradient
+    # partial is row `row` of the partials, whichever program computed it, so the sum has the same
+    # bits with or without the queue. Every tile's inputs are loaded one iteration ahead, across
+    # chunks too: the first tile of the next chunk while the last of this one is computed.
+    programs = tl.num_programs(0)
+    strips = tl.cdiv(N, BLOCK_N)
+    total = strips * chunks_per_strip
+    lanes = tl.arange(0, BLOCK_N)
+    quarter = tl.arange(0, BLOCK_M // 4)
+    if INDEX_64:
+        lanes = lanes.to(tl.int64)
+        quarter = quarter.to(tl.int64)
+    amax_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
+    scale = 1.0  # not read without an FP8 format
+    if FP8_FORMAT != 0:
+        scale = tl.load(scale_ptr)
+    chunk = tl.program_id(0)
+    strip, row, start, end = _chunk(chunk, strips, chunk_rows, M)
+    r0 = start + 4 * quarter
+    offs_n = strip * BLOCK_N + lanes
+    k0, k1, k2, k3 = _row_masks(r0, end, offs_n < N)
+    g0, g1, g2, g3 = _load_rows(grad_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m, stride_grad_n)
+    p0, p1, p2, p3 = g0, g1, g2, g3  # stand-ins without an activation (not read)
+    if ACTIVATION != 0:
+        p0, p1, p2, p3 = _load_rows(pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_pre_m, stride_pre_n)
+    following = _take_chunk(queue_ptr, chunk, programs, DYNAMIC)
+    while chunk < total:
+        n_strip, n_row, n_start, n_end = _chunk(following, strips, chunk_rows, M)
+        offs_n = strip * BLOCK_N + lanes
+        mask_n = offs_n < N
+        dbias_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
+        for m0 in range(start, end, BLOCK_M):
+            r0 = m0 + 4 * quarter
+            k0, k1, k2, k3 = _row_masks(r0, M, mask_n)
+            x0, x1, x2, x3 = g0, g1, g2, g3
+            y0, y1, y2, y3 = x0, x1, x2, x3  # stand-ins without an activation (not read)
+            if ACTIVATION != 0:
+                y0, y1, y2, y3 = p0, p1, p2, p3
+            # The next tile: the next of this chunk, or after its last the first of the next chunk.
+            inside = m0 + BLOCK_M < end
+            n0 = tl.where(inside, m0 + BLOCK_M, n_start) + 4 * quarter
+            n_offs = tl.where(inside, strip, n_strip) * BLOCK_N + lanes
+            q0, q1, q2, q3 = _row_masks(n0, tl.where(inside, end, n_end), n_offs < N)
+            g0, g1, g2, g3 = _load_rows(grad_ptr, n0, n_offs, q0, q1, q2, q3, stride_grad_m, stride_grad_n)
+            if ACTIVATION != 0:
+                p0, p1, p2, p3 = _load_rows(pre_act_ptr, n0, n_offs, q0, q1, q2, q3, stride_pre_m, stride_pre_n)
+            d0 = _dx(x0, y0, ACTIVATION)
+            d1 = _dx(x1, y1, ACTIVATION)
+            d2 = _dx(x2, y2, ACTIVATION)
+            d3 = _dx(x3, y3, ACTIVATION)
+            if COMPUTE_DBIAS:
+                dbias_acc += add_rounded(d0, d1) + add_rounded(d2, d3)
+            if COMPUTE_AMAX:
+                amax_acc = amax_update(amax_update(amax_update(amax_update(amax_acc, d0), d1), d2), d3)
+            if STORE_OUT:
+                _store_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m,
+                            stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+        # The next chunk's first tile is in flight: taking the chunk after it waits on the queue meanwhile.
+        after = _take_chunk(queue_ptr, following, programs, DYNAMIC)
+        if COMPUTE_DBIAS:
+            store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, row, strip, offs_n, mask_n,
+                                        N, chunks_per_strip, FINISH_DBIAS, DBIAS_BF16)
+        chunk, strip, row, start, end, following = following, n_strip, n_row, n_start, n_end, after
+    if COMPUTE_AMAX:
+        tl.atomic_max(amax_ptr, amax_finish(amax_acc), sem="relaxed")
+    if DYNAMIC:
+        # Every program took its last chunk before it arrives here: the last to arrive empties the
+        # queue for the next launch.
+        done = tl.atomic_add(queue_ptr + 1, 1, sem="relaxed")
+        if done == programs - 1:
+            tl.store(queue_ptr, 0)
+            tl.store(queue_ptr + 1, 0)
 
 
 @triton.jit
@@ -288,9 +397,10 @@ def _sum_partials(partial_ptr, out_ptr, offs_n, mask_n, groups, N, OUT_BF16: tl.
 
 @triton.jit
 def store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, pid_m, pid_n, offs_n, mask_n, N,
-                                FINISH_DBIAS: tl.constexpr, DBIAS_BF16: tl.constexpr):
-    """Stores row group ``pid_m``'s fp32 partial of the bias gradient (``dbias_acc`` summed over its
-    rows). With ``FINISH_DBIAS`` the last program of column strip ``pid_n`` to arrive sums them all.
+                                groups, FINISH_DBIAS: tl.constexpr, DBIAS_BF16: tl.constexpr):
+    """Stores row ``pid_m`` of column strip ``pid_n``'s fp32 partials of the bias gradient (``dbias_acc``
+    summed over its rows), one of ``groups``. With ``FINISH_DBIAS`` the last program of the strip to
+    arrive sums them all.
 
     Split-reduction semaphore: every thread's partial is stored before the program's one arrival
     (barrier, then a release at GPU scope); the program that arrives last acquires every other
@@ -300,9 +410,9 @@ def store_bias_gradient_partial(partial_ptr, dbias_ptr, counter_ptr, dbias_acc, 
     if FINISH_DBIAS:
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
+        if arrived == groups - 1:
             tl.debug_barrier()
-            _sum_partials(partial_ptr, dbias_ptr, offs_n, mask_n, tl.num_programs(1), N, DBIAS_BF16)
+            _sum_partials(partial_ptr, dbias_ptr, offs_n, mask_n, groups, N, DBIAS_BF16)
             tl.store(counter_ptr + pid_n, 0)
 
 
@@ -353,28 +463,43 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
     ``None`` when not written). Returns what the main launch returned (in eager mode the compiled
     kernel, whose register and shared-memory use the benchmark's sweep reports)."""
     m, n = grad.shape
-    rows_per_group, groups = config.row_groups(m)
+    strips = -(-n // config.block_n)
+    if config.chunk_tiles:
+        chunk_rows = config.chunk_tiles * config.block_m
+        rows_per_group, groups = chunk_rows, -(-m // chunk_rows)  # one row of partials per chunk row
+    else:
+        rows_per_group, groups = config.row_groups(m)
     partials = torch.empty((groups, n), dtype=torch.float32, device=grad.device) if compute_dbias else out
-    # torch.compile's graphs get the second launch: a module-level buffer has no place in them.
-    counters = _arrival_counters(grad.device, -(-n // config.block_n)) if compute_dbias and not traced else None
+    # torch.compile's graphs get the second launch: a module-level buffer has no place in them. The
+    # queued form's queue is two more counters after the strips' (it needs them with or without the
+    # bias gradient).
+    wants_counters = (compute_dbias or config.chunk_tiles) and not traced
+    counters = _arrival_counters(grad.device, strips + 2) if wants_counters else None
     dbias_bf16 = compute_dbias and dbias.dtype == torch.bfloat16
     stride_grad = grad.stride()
     stride_pre = pre_act.stride() if pre_act is not None else (0, 0)
-    compiled = launcher(_dact_dbias_quantize_kernel, traced)[(-(-n // config.block_n), groups)](
-        grad, pre_act if pre_act is not None else grad, out, out_t if transpose else out, partials,
-        dbias if compute_dbias else out, counters if counters is not None else partials,
-        scale if scale is not None else grad, amax if amax is not None else grad,
-        stride_grad[0], stride_grad[1], stride_pre[0], stride_pre[1],
-        out.stride(0), out_t.stride(0) if transpose else 0,
-        m, n, rows_per_group,
+    tensors = (grad, pre_act if pre_act is not None else grad, out, out_t if transpose else out, partials,
+               dbias if compute_dbias else out, counters if counters is not None else partials)
+    scalars = (scale if scale is not None else grad, amax if amax is not None else grad,
+               stride_grad[0], stride_grad[1], stride_pre[0], stride_pre[1],
+               out.stride(0), out_t.stride(0) if transpose else 0, m, n)
+    flags = dict(
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
-        PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, FINISH_DBIAS=counters is not None,
+        PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, FINISH_DBIAS=compute_dbias and counters is not None,
         DBIAS_BF16=dbias_bf16, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
-        LOOP_STAGES=config.loop_stages or None, CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch,
         INDEX_64=needs_index_64(m, n, grad, pre_act),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         **({"maxnreg": config.max_registers} if config.max_registers and not traced else {}),
     )
+    if config.chunk_tiles:
+        programs = max(1, min(config.groups, strips * groups))
+        queue = counters[strips:strips + 2] if counters is not None else partials
+        compiled = launcher(_dact_dbias_quantize_queued_kernel, traced)[(programs,)](
+            *tensors, queue, *scalars, rows_per_group, groups, DYNAMIC=counters is not None, **flags)
+    else:
+        compiled = launcher(_dact_dbias_quantize_kernel, traced)[(strips, groups)](
+            *tensors, *scalars, rows_per_group, LOOP_STAGES=config.loop_stages or None,
+            CYCLIC_ROWS=config.cyclic_rows, PREFETCH=config.prefetch, **flags)
     if compute_dbias and counters is None:
         block = 256 if grad.is_cuda else 32
         launcher(_sum_partials_kernel, traced)[(-(-n // block),)](
@@ -430,10 +555,10 @@ def _run(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, s
 def _dact_dbias_quantize_impl(
     grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, scale: Optional[torch.Tensor],
     fp8_code: int, amax: Optional[torch.Tensor], transpose: bool, compute_dbias: bool,
-    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int, prefetch: bool,
+    block_m: int, block_n: int, num_warps: int, groups: int, loop_stages: int, prefetch: bool, chunk_tiles: int,
     traced: bool, dbias_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages, prefetch=prefetch)
+    config = LaunchConfig(block_m, block_n, num_warps, groups, loop_stages, prefetch=prefetch, chunk_tiles=chunk_tiles)
     out, out_t, dbias = _run(grad, pre_act, activation, scale, fp8_code, amax, transpose, compute_dbias, config,
                              traced, dbias_dtype)
     # A registered op returns tensors: empty ones stand for the outputs not asked for.
@@ -492,13 +617,14 @@ def run_pass(grad, pre_act, activation, scale, fp8_dtype, amax, transpose, compu
         out, out_t, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                           fp8_dtype=fp8_dtype, amax=amax, transpose=transpose)
         return out.view(grad.shape), out_t, (dbias.to(dbias_dtype) if compute_dbias else None)
-    cfg = launch_config(_pass_name(act, compute_dbias), g2.shape[0], n, g2.device)
+    cfg = launch_config(_pass_name(act, compute_dbias), g2.shape[0], n, g2.device, g2.dtype)
     if scale is not None and scale.dim() != 0:
         scale = scale.reshape(())
     if torch.compiler.is_compiling():
         out, out_t, dbias = _dact_dbias_quantize_op(g2, p2, act, scale, code, amax, transpose, compute_dbias,
                                                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.groups,
-                                                    cfg.loop_stages, cfg.prefetch, True, dbias_dtype)
+                                                    cfg.loop_stages, cfg.prefetch, cfg.chunk_tiles, True,
+                                                    dbias_dtype)
         out_t = out_t if transpose else None
         dbias = dbias if compute_dbias else None
     else:
@@ -609,8 +735,8 @@ def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], a
     m, n = grad.shape
     # Pass 1 reads and reduces as the one-pass form does; pass 2 sums no bias gradient, so without an
     # activation it is the cast and takes the cast's launch.
-    first = launch_config(_pass_name(activation, compute_dbias), m, n, grad.device)
-    second = launch_config(_pass_name(activation, False), m, n, grad.device)
+    first = launch_config(_pass_name(activation, compute_dbias), m, n, grad.device, grad.dtype)
+    second = launch_config(_pass_name(activation, False), m, n, grad.device, grad.dtype)
     out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     dbias = torch.zeros((n if compute_dbias else 0,), dtype=dbias_dtype, device=grad.device)

@@ -64,18 +64,58 @@ def _check_fused_pass(grad, pre, activation, fp8_dtype):
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
-def test_fused_kernel_in_its_two_deep_form(activation):
-    # 16384 x 6400 on an H200 (132 multiprocessors) takes the launch rule's second form (loop
-    # pipelined two deep, 4 programs per multiprocessor): every output checked as above.
-    from lightning_fuse.kernels._launch import LAUNCH_RULES, launch_config
+def test_fused_kernel_in_its_queued_form(activation):
+    # 16384 x 6400 on an H100 or H200 (132 multiprocessors) takes the launch rule's queued form (one
+    # program per slot taking chunks of four row tiles): every output checked as above.
+    from lightning_fuse.kernels._launch import launch_config
 
     m, n = 16384, 6400
     cfg = launch_config("dact_dbias_quantize", m, n, torch.device("cuda"))
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
-        assert cfg.loop_stages == LAUNCH_RULES["dact_dbias_quantize"].alternative.loop_stages
+        assert cfg.chunk_tiles == 4
     grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
     _check_fused_pass(grad, pre, activation, E5M2)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", None])
+@pytest.mark.parametrize("m,n", [(16384, 6400), (4099, 1000)])
+def test_the_queued_form_writes_the_bytes_of_the_row_groups_and_sums_the_same_bias_gradient(monkeypatch, activation,
+                                                                                           m, n):
+    # The queued form (chunks taken from a queue as programs free up), the same chunks in a fixed stride
+    # (the graph-captured or traced launch), and the row groups: the same FP8 bytes; the bias gradient
+    # the same bits with and without the queue, and within 1e-5 of the row groups' sum.
+    from lightning_fuse.kernels._launch import LaunchConfig
+    import importlib
+
+    module = importlib.import_module("lightning_fuse.kernels.dact_dbias_quantize")  # not the function of that name
+
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
+    act = activation_id(activation) if activation else 0
+    scale = torch.tensor(512.0, device="cuda")
+    results = []
+    for cfg, traced in ((LaunchConfig(64, 64, 4, 5, prefetch=True), False),
+                        (LaunchConfig(64, 64, 4, 396, prefetch=True, chunk_tiles=4), False),
+                        (LaunchConfig(64, 64, 4, 396, prefetch=True, chunk_tiles=4), True),
+                        (LaunchConfig(64, 64, 4, 50, prefetch=True, chunk_tiles=4), False)):
+        out = torch.full((m, n), 255, dtype=torch.uint8, device="cuda")
+        out_t = torch.full((n, m), 255, dtype=torch.uint8, device="cuda")
+        dbias = torch.full((n,), float("nan"), device="cuda")
+        amax = torch.zeros(1, device="cuda")
+        with monkeypatch.context() as patch:
+            if traced:  # no queue, no arrival counters: chunks in a fixed stride, the bias gradient's second launch
+                patch.setattr(module, "_arrival_counters", lambda device, strips: None)
+            module._launch(grad, pre if act else None, act, scale, 2, amax, True, True, True, cfg, out, out_t, dbias,
+                           False)
+        results.append((out, out_t, dbias, amax))
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in module._COUNTERS.values())  # every queue and counter emptied
+    for out, out_t, dbias, amax in results:
+        assert torch.equal(out, results[0][0]) and torch.equal(out_t, out.t())
+        assert amax.item() == results[0][3].item()
+        assert ((dbias.double() - results[0][2].double()).norm() / results[0][2].double().norm()).item() < 1e-5
+    assert torch.equal(results[1][2], results[2][2]) and torch.equal(results[1][2], results[3][2])
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", None])

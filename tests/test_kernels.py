@@ -573,6 +573,14 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
     try:
         for name, rule in _launch.LAUNCH_RULES.items():
             cfg = _launch.launch_config(name, m, n, cuda)
+            if rule.chunk_tiles:
+                chunks = -(-n // cfg.block_n) * -(-m // (cfg.block_m * rule.chunk_tiles))
+                if cfg.chunk_tiles:  # the queued form: one program per slot, enough chunks for each
+                    assert cfg.groups == 132 * rule.programs_per_sm and cfg.chunk_tiles == rule.chunk_tiles
+                    assert chunks >= rule.min_chunks_per_slot * cfg.groups
+                    continue
+                assert chunks < rule.min_chunks_per_slot * 132 * rule.programs_per_sm
+                rule = rule.alternative
             if rule.alternative is not None and cfg.loop_stages == rule.alternative.loop_stages:
                 rule = rule.alternative
             rows, groups = cfg.row_groups(m)
@@ -627,9 +635,12 @@ def test_passes_without_a_bias_gradient_give_each_program_a_few_tiles_where_that
             assert cfg.prefetch
             if many:
                 assert groups * -(-n // cfg.block_n) >= 4 * 132 * per_sm
-        for name in ("dact_dbias_quantize", "dbias_quantize"):  # whole waves, always
+        for name in ("dact_dbias_quantize", "dbias_quantize"):  # whole waves or one program per slot, always
             backward = _launch.launch_config(name, m, n, torch.device("cuda", 0))
-            assert backward.row_groups(m)[1] * -(-n // backward.block_n) <= 4 * 132 * 4
+            if backward.chunk_tiles:
+                assert backward.groups == 132 * _launch.LAUNCH_RULES[name].programs_per_sm
+            else:
+                assert backward.row_groups(m)[1] * -(-n // backward.block_n) <= 4 * 132 * 4
     finally:
         _launch._CONFIGS.clear()
 
@@ -649,11 +660,13 @@ def test_backward_passes_add_a_wave_where_one_wave_of_programs_would_walk_over_8
 
     monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
     _launch._CONFIGS.clear()
+    rule = _launch.LAUNCH_RULES[name]
+    rule = rule.alternative if rule.chunk_tiles else rule  # the row groups (the fused pass's queued form aside)
     try:
-        cfg = _launch.launch_config(name, m, n, torch.device("cuda", 0))
+        cfg = _launch._pick_config(m, n, torch.device("cuda", 0), rule)
         rows, got = cfg.row_groups(m)
         assert got == groups, (name, m, n, cfg)
-        assert rows <= _launch.LAUNCH_RULES[name].max_rows_per_program
+        assert rows <= rule.max_rows_per_program
     finally:
         _launch._CONFIGS.clear()
 
@@ -669,14 +682,73 @@ def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slo
     monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
     _launch._CONFIGS.clear()
     try:
-        rule = _launch.LAUNCH_RULES["dact_dbias_quantize"]
-        cfg = _launch.launch_config("dact_dbias_quantize", m, n, torch.device("cuda", 0))
+        rule = _launch.LAUNCH_RULES["dact_dbias_quantize"].alternative  # the row groups' rule
+        cfg = _launch._pick_config(m, n, torch.device("cuda", 0), rule)
         assert (cfg.loop_stages, cfg.prefetch) == ((2, False) if two_deep else (0, True))
         _, fill = _launch._config_and_fill(m, n, torch.device("cuda", 0), rule)
         _, other_fill = _launch._config_and_fill(m, n, torch.device("cuda", 0), rule.alternative)
         assert two_deep == (fill < rule.keep_fill and other_fill > fill)
     finally:
         _launch._CONFIGS.clear()
+
+
+@pytest.mark.parametrize("m,n,queued", [(16384, 6400, True), (32768, 8192, True), (16384, 16384, True),
+                                        (8192, 6400, True), (8192, 3072, False), (2048, 768, False)])
+def test_fused_pass_takes_its_queued_form_for_bf16_where_each_slot_gets_eight_chunks(monkeypatch, m, n, queued):
+    # 132 multiprocessors, 3 programs each: 396 slots. Chunks of four 64-row tiles of one 64-column
+    # strip: 100 x 64 = 6400 at 16384x6400 (16 per slot), 100 x 32 = 3200 at 8192x6400 (8.1), 48 x 32 =
+    # 1536 at 8192x3072 (3.9: the row groups instead). bf16 inputs only: with fp16 the queued form
+    # measured slower than the row groups (BENCHMARKS.md), and fp32 was not measured.
+    from lightning_fuse.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    _launch._CONFIGS.clear()
+    cuda = torch.device("cuda", 0)
+    try:
+        cfg = _launch.launch_config("dact_dbias_quantize", m, n, cuda, torch.bfloat16)
+        assert (cfg.chunk_tiles == 4 and cfg.groups == 396) == queued, cfg
+        assert cfg.chunk_tiles == 0 or cfg.prefetch
+        for dtype in (torch.float16, torch.float32):
+            assert _launch.launch_config("dact_dbias_quantize", m, n, cuda, dtype).chunk_tiles == 0
+        assert _launch.launch_config("dbias_quantize", m, n, cuda, torch.bfloat16).chunk_tiles == 0
+    finally:
+        _launch._CONFIGS.clear()
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", None])
+@pytest.mark.parametrize("m,n", [(130, 40), (64, 96), (1, 7)])
+def test_the_queued_form_matches_the_row_groups_with_and_without_its_queue(monkeypatch, activation, m, n):
+    # The queued form in chunks of two row tiles, with its queue and in a fixed stride (no queue: the
+    # traced launch), at program counts from one to more than the chunks: the row groups' FP8 bytes
+    # and amax, the float64 bias gradient within 1e-5, and the same bias-gradient bits with or without
+    # the queue. Every queue and arrival counter is empty again afterwards.
+    from lightning_fuse.kernels._launch import LaunchConfig
+
+    module = importlib.import_module("lightning_fuse.kernels.dact_dbias_quantize")  # not the function of that name
+    block = (16, 32, 1) if DEVICE == "cpu" else (64, 64, 4)
+    grad, pre = _inputs((m,), n, torch.bfloat16, seed=m + n)
+    act = activation_id(activation) if activation else 0
+    scale = torch.tensor(64.0, device=DEVICE)
+    dx64 = grad.double() * (activation_derivative_reference(pre.double(), activation) if activation else 1)
+    results = []
+    for cfg, queue in [(LaunchConfig(*block, 3, prefetch=True), True)] + [
+            (LaunchConfig(*block, programs, prefetch=True, chunk_tiles=2), queue)
+            for programs in (1, 3, 100) for queue in (True, False)]:
+        out = torch.full((m, n), 255, dtype=torch.uint8, device=DEVICE)
+        out_t = torch.full((n, m), 255, dtype=torch.uint8, device=DEVICE)
+        dbias = torch.full((n,), float("nan"), device=DEVICE)
+        amax = torch.zeros(1, device=DEVICE)
+        with monkeypatch.context() as patch:
+            if not queue:
+                patch.setattr(module, "_arrival_counters", lambda device, strips: None)
+            module._launch(grad, pre if act else None, act, scale, 2, amax, True, True, True, cfg, out, out_t, dbias,
+                           False)
+        results.append((out, out_t, dbias, amax))
+        assert torch.equal(out, results[0][0]) and torch.equal(out_t, out.t()), cfg
+        assert amax.item() == results[0][3].item()
+        assert (dbias.double() - dx64.sum(0)).abs().max().item() <= 1e-5 * max(1.0, dx64.abs().sum(0).max().item())
+    assert all(torch.equal(dbias, results[1][2]) for _, _, dbias, _ in results[1:])
+    assert all(int(c.abs().sum()) == 0 for c in module._COUNTERS.values())
 
 
 @pytest.mark.parametrize("nan_bits", [0x7FFFFFFF, -1, 0x7FC00000], ids=["cuda-canonical", "all-ones", "quiet"])
@@ -845,12 +917,14 @@ def _op_variants():
     g, p = _inputs((40,), 48, torch.float32, seed=13)
     bias, scale = torch.randn(48, device=DEVICE), torch.tensor(4.0, device=DEVICE)
     amax = lambda: torch.zeros(1, device=DEVICE)  # noqa: E731
-    cfg = (16, 32, 1, 2, 0, True)  # block_m, block_n, num_warps, groups, loop_stages, prefetch
+    cfg = (16, 32, 1, 2, 0, True, 0)  # block_m, block_n, num_warps, groups, loop_stages, prefetch, chunk_tiles
+    queued = (16, 32, 1, 3, 0, True, 2)  # three programs taking chunks of two row tiles
     dq = torch.ops.lightning_fuse.dact_dbias_quantize.default
     cs = torch.ops.lightning_fuse.quantize_current_scaling.default
     ba = torch.ops.lightning_fuse.bias_act.default
     return [
         ("dq-fp8-t", dq, (g, p, 2, scale, 2, amax(), True, True, *cfg, True, torch.float32)),
+        ("dq-fp8-t-queued", dq, (g, p, 2, scale, 2, amax(), True, True, *queued, True, torch.float32)),
         ("dq-high-precision", dq, (g, p, 1, None, 0, None, False, True, *cfg, True, torch.bfloat16)),
         ("dq-cast", dq, (g, None, 0, scale, 1, amax(), False, False, *cfg, True, torch.float32)),
         ("cs", cs, (g, p, 1, 2, amax(), True, 57344.0, 1, True, True, torch.float32)),
@@ -862,7 +936,7 @@ def _op_variants():
     ]
 
 
-@pytest.mark.parametrize("index", range(9))
+@pytest.mark.parametrize("index", range(10))
 def test_registered_ops_meet_the_custom_op_contract(index):
     # torch.compile and torch.export see these ops; PyTorch checks what each returns (no output may be
     # an input or alias another output) and that it declares what it mutates. (The fake-tensor check

@@ -33,7 +33,7 @@ from triton.compiler import ASTSource
 
 from lightning_fuse.kernels._launch import LAUNCH_RULES
 from lightning_fuse.kernels.bias_act import _bias_act_kernel
-from lightning_fuse.kernels.dact_dbias_quantize import _dact_dbias_quantize_kernel
+from lightning_fuse.kernels.dact_dbias_quantize import _dact_dbias_quantize_kernel, _dact_dbias_quantize_queued_kernel
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -42,6 +42,9 @@ _DACT_ARGS = ["grad_ptr", "pre_act_ptr", "out_ptr", "out_t_ptr", "partial_ptr", 
               "stride_grad_m", "stride_grad_n", "stride_pre_m", "stride_pre_n", "stride_out_m", "stride_out_t_n",
               "M", "N", "rows_per_group"]
 _DACT_TYPES = ["*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*i32", "*fp32", "*fp32"] + ["i32"] * 9
+# The queued form: a queue pointer after the counters, chunk sizes instead of the row groups' rows.
+_QUEUED_ARGS = _DACT_ARGS[:7] + ["queue_ptr"] + _DACT_ARGS[7:-1] + ["chunk_rows", "chunks_per_strip"]
+_QUEUED_TYPES = _DACT_TYPES[:7] + ["*i32"] + _DACT_TYPES[7:] + ["i32"]
 _BIAS_ACT_ARGS = ["h_ptr", "bias_ptr", "y_ptr", "q_ptr", "q_t_ptr", "scale_ptr", "amax_ptr", "pre_ptr",
                   "stride_h_m", "stride_h_n", "stride_y_m", "stride_q_m", "stride_q_t_n", "stride_pre_m",
                   "M", "N", "rows_per_group"]
@@ -61,6 +64,15 @@ def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
             constants, rule.num_warps, bytes_per_element)
 
 
+def _queued_case(activation):
+    rule = LAUNCH_RULES["dact_dbias_quantize"]
+    constants = dict(ACTIVATION=activation, FP8_FORMAT=2, STORE_OUT=True, TRANSPOSE=True, PACK_T=True,
+                     COMPUTE_DBIAS=True, FINISH_DBIAS=True, DBIAS_BF16=False, COMPUTE_AMAX=True, ENCODER=1,
+                     DYNAMIC=True, INDEX_64=False, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
+    return (_dact_dbias_quantize_queued_kernel, _QUEUED_ARGS, _QUEUED_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
+            constants, rule.num_warps, 6)
+
+
 def _bias_act_case(activation=2):
     rule = LAUNCH_RULES["bias_act"]
     constants = dict(ACTIVATION=activation, HAS_BIAS=False, STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True,
@@ -76,6 +88,7 @@ CASES = {
     "dact_dbias_quantize relu": _dact_case("dact_dbias_quantize", 3, 6),
     "dact_dbias_quantize silu": _dact_case("dact_dbias_quantize", 4, 6),
     "dact_dbias_quantize gelu_tanh, 2-deep form": _dact_case("dact_dbias_quantize", 2, 6, alternative=True),
+    "dact_dbias_quantize gelu_tanh, queued": _queued_case(2),
     "dbias_quantize": _dact_case("dbias_quantize", 0, 4),
     "quantize": _dact_case("quantize", 0, 4),
     "bias_act gelu_tanh": _bias_act_case(),
@@ -107,10 +120,12 @@ def sass_and_registers(ptx: str) -> tuple[str, int]:
     return sass, int(re.search(r"Used (\d+) registers", info).group(1))
 
 
-def loop_body(sass: str) -> list[str]:
+def loop_body(sass: str, innermost: bool = False) -> list[str]:
     """Opcodes of one iteration of the row loop: the instructions between the target of the outermost
     backward branch and it, less any block a forward branch skips that holds a loop of its own (work a
-    program does once, on its last row tile, such as summing the bias gradient's partials)."""
+    program does once, on its last row tile, such as summing the bias gradient's partials). With
+    ``innermost`` (the queued form, whose tile loop sits in its loop over chunks), the shortest loop
+    that converts to FP8 (``F2FP``)."""
     instructions = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
@@ -124,6 +139,10 @@ def loop_body(sass: str) -> list[str]:
     loops = [(target, address) for address, target in branches if target < address]
     if not loops:
         raise ValueError("no loop found in the SASS")
+    if innermost:
+        converting = [(first, last) for first, last in loops
+                      if any(first <= a <= last and op.startswith("F2FP") for a, op, _ in instructions)]
+        loops = [min(converting or loops, key=lambda loop: loop[1] - loop[0])]
     start, end = max(loops, key=lambda loop: loop[1] - loop[0])
     skipped = [(address, target) for address, target in branches
                if start <= address < target <= end
@@ -136,7 +155,7 @@ def analyse(name, case, copy_gbps, sms, clock_ghz, dump: Path | None = None) -> 
     kernel, names, types, unit_strides, constants, warps, nbytes = case
     compiled = compile_for_sm90(kernel, names, types, unit_strides, constants, warps)
     sass, registers = sass_and_registers(compiled.asm["ptx"])
-    body = loop_body(sass)
+    body = loop_body(sass, innermost=kernel is _dact_dbias_quantize_queued_kernel)
     per_thread = constants["BLOCK_M"] * constants["BLOCK_N"] // (32 * warps)  # elements per thread per tile
     per_element = len(body) / per_thread
     budget = 128 * nbytes * sms * clock_ghz / copy_gbps  # instructions per element at full issue and copy bandwidth

@@ -180,13 +180,10 @@ def _dact_dbias_quantize_kernel(
             # row set loaded first, to 152-154 (3).
             d0, d1, d2, d3 = _dx_tile(grad_ptr, pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m,
                                       stride_grad_n, stride_pre_m, stride_pre_n, ACTIVATION)
-        if COMPUTE_DBIAS:
-            dbias_acc += add_rounded(d0, d1) + add_rounded(d2, d3)
-        if COMPUTE_AMAX:
-            amax_acc = amax_update(amax_update(amax_update(amax_update(amax_acc, d0), d1), d2), d3)
-        if STORE_OUT:
-            _store_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m,
-                        stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+        dbias_acc, amax_acc = _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M,
+                                         stride_out_m, stride_out_t_n, d0, d1, d2, d3, dbias_acc, amax_acc, scale,
+                                         FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, COMPUTE_DBIAS, COMPUTE_AMAX,
+                                         STORE_OUT)
     # The last tile: its inputs are in registers already with PREFETCH (loaded by the loop's last
     # iteration, or before the loop for a one-tile group).
     r0 = last + 4 * quarter
@@ -303,13 +300,10 @@ def _dact_dbias_quantize_queued_kernel(
             d1 = _dx(x1, y1, ACTIVATION)
             d2 = _dx(x2, y2, ACTIVATION)
             d3 = _dx(x3, y3, ACTIVATION)
-            if COMPUTE_DBIAS:
-                dbias_acc += add_rounded(d0, d1) + add_rounded(d2, d3)
-            if COMPUTE_AMAX:
-                amax_acc = amax_update(amax_update(amax_update(amax_update(amax_acc, d0), d1), d2), d3)
-            if STORE_OUT:
-                _store_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m,
-                            stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+            dbias_acc, amax_acc = _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M,
+                                             stride_out_m, stride_out_t_n, d0, d1, d2, d3, dbias_acc, amax_acc, scale,
+                                             FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, COMPUTE_DBIAS, COMPUTE_AMAX,
+                                             STORE_OUT)
         # The next chunk's first tile is in flight: taking the chunk after it waits on the queue meanwhile.
         after = _take_chunk(queue_ptr, following, programs, DYNAMIC)
         if COMPUTE_DBIAS:
@@ -325,6 +319,23 @@ def _dact_dbias_quantize_queued_kernel(
         if done == programs - 1:
             tl.store(queue_ptr, 0)
             tl.store(queue_ptr + 1, 0)
+
+
+@triton.jit
+def _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m, stride_out_t_n,
+               d0, d1, d2, d3, dbias_acc, amax_acc, scale, FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr,
+               TRANSPOSE: tl.constexpr, PACK_T: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, COMPUTE_AMAX: tl.constexpr,
+               STORE_OUT: tl.constexpr):
+    """One tile's ``dx`` (row sets ``dj``) into the accumulators and the outputs (``_store_tile``):
+    returns the bias-gradient and amax accumulators."""
+    if COMPUTE_DBIAS:
+        dbias_acc += add_rounded(d0, d1) + add_rounded(d2, d3)
+    if COMPUTE_AMAX:
+        amax_acc = amax_update(amax_update(amax_update(amax_update(amax_acc, d0), d1), d2), d3)
+    if STORE_OUT:
+        _store_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m,
+                    stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+    return dbias_acc, amax_acc
 
 
 @triton.jit

@@ -52,6 +52,11 @@ def test_fused_gelu_tanh_backward_stays_within_its_instruction_budget(isa_rows):
     two_deep = isa_rows["dact_dbias_quantize gelu_tanh, 2-deep form"]
     assert two_deep["loop_sass_per_element"] <= 28
     assert two_deep["programs_per_sm"] >= 4
+    # The queued form's tile loop is the row groups' (26.2 per element) at their residency: one program
+    # per slot, 3 per SM, is what its grid launches (a first version compiled to 249 registers, 2 per SM).
+    queued = isa_rows["dact_dbias_quantize gelu_tanh, queued"]
+    assert queued["loop_sass_per_element"] <= 28
+    assert queued["programs_per_sm"] >= 3
 
 
 @pytest.mark.slow
@@ -106,6 +111,13 @@ def test_the_loop_counted_is_the_row_loop_less_its_once_only_block():
     assert loop_body(guarded) == ["FADD", "BRA", "STG.E", "BRA"]
     with pytest.raises(ValueError, match="no loop"):
         loop_body(_sass(("MOV", "R0, R1"), ("EXIT", "")))
+    # The queued form: a loop over chunks (0x10-0x70) around the tile loop (0x20-0x40, the one that
+    # converts to FP8); the innermost count is the tile loop alone.
+    queued = _sass(("MOV", "R0, R1"), ("IADD3", "R1, R1, 1"), ("FMUL", "R4, R2, R2"), ("F2FP.SATFINITE", "R9, R4"),
+                   ("@P0 BRA", "0x20"), ("STG.E", "[R8], R7"), ("ATOMG.E.ADD", "R5, [R6], R1"), ("@P1 BRA", "0x10"),
+                   ("EXIT", ""))
+    assert loop_body(queued, innermost=True) == ["FMUL", "F2FP.SATFINITE", "BRA"]
+    assert loop_body(queued) == ["IADD3", "FMUL", "F2FP.SATFINITE", "BRA", "STG.E", "ATOMG.E.ADD", "BRA"]
 
 
 _CONTRACTION_PROBE = r"""
@@ -113,7 +125,7 @@ import collections, json, re, sys
 sys.path.insert(0, sys.argv[1])
 from kernel_isa import CASES, compile_for_sm90, sass_and_registers
 counts = {}
-for name in ("dact_dbias_quantize gelu_tanh", "dact_dbias_quantize silu"):
+for name in ("dact_dbias_quantize gelu_tanh", "dact_dbias_quantize silu", "dact_dbias_quantize gelu_tanh, queued"):
     kernel, names, types, unit_strides, constants, warps, _ = CASES[name]
     for dbias, finish in ((True, True), (True, False), (False, False)):
         c = dict(constants, COMPUTE_DBIAS=dbias, FINISH_DBIAS=finish)
@@ -134,7 +146,7 @@ def test_the_bias_gradient_sums_the_products_the_fp8_copy_is_made_of():
     done = subprocess.run([sys.executable, "-c", _CONTRACTION_PROBE, str(SCRIPT.parent)], env=env, check=True,
                           capture_output=True, text=True, timeout=900)
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    for name in ("dact_dbias_quantize gelu_tanh", "dact_dbias_quantize silu"):
+    for name in ("dact_dbias_quantize gelu_tanh", "dact_dbias_quantize silu", "dact_dbias_quantize gelu_tanh, queued"):
         without = counts[f"{name} dbias=False finish=False"]
         assert without > 0
         assert counts[f"{name} dbias=True finish=True"] == without, counts

@@ -139,11 +139,11 @@ def loop_body(sass: str, innermost: bool = False) -> list[str]:
     loops = [(target, address) for address, target in branches if target < address]
     if not loops:
         raise ValueError("no loop found in the SASS")
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
     if innermost:
         converting = [(first, last) for first, last in loops
                       if any(first <= a <= last and op.startswith("F2FP") for a, op, _ in instructions)]
-        loops = [min(converting or loops, key=lambda loop: loop[1] - loop[0])]
-    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+        start, end = min(converting or loops, key=lambda loop: loop[1] - loop[0])
     skipped = [(address, target) for address, target in branches
                if start <= address < target <= end
                and any(address < inner_start and inner_end < target for inner_start, inner_end in loops)]

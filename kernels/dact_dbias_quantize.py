@@ -4,8 +4,14 @@ gradient, the bias gradient and the FP8 quantization of the result, row-wise and
 Bytes per element of ``[M, N]`` (bf16/fp16 inputs, FP8 outputs): read ``grad`` and ``pre_act``
 (2 + 2), write ``dx`` (1) and ``dx_t`` (1): 6 bytes, against 4 + 2 + 2 + 2 + ... for the PyTorch
 sequence ``gelu_backward -> sum -> amax -> scale/cast -> transpose``. The bias gradient adds
-``groups x N`` fp32 partials, a fraction of a percent at training sizes, which the last program of
-each column strip to finish sums in a fixed order (``_arrival_counters``).
+one row of ``N`` fp32 partials per row group or chunk row (below), a fraction of a percent at
+training sizes, which the last of each column strip to finish sums in a fixed order
+(``_arrival_counters``).
+
+Two forms of the pass: row groups (each program walks one column strip over a fixed range of rows;
+``_dact_dbias_quantize_kernel``) and the queued form (one program per slot of the card taking chunks
+of a few row tiles of one strip from a queue as it frees up; ``_dact_dbias_quantize_queued_kernel``,
+``LaunchConfig.chunk_tiles``). Each chunk or row group stores one row of bias-gradient partials.
 
 Also here: ``dbias_quantize`` (no activation term: the backward of a plain FP8 linear with bias),
 and the current-scaling variant, which takes two passes because the scale depends on this

@@ -381,9 +381,10 @@ def test_current_scaling_passes_take_the_launch_rules_of_what_they_compute(monke
     module = importlib.import_module("lightning_fuse.kernels.dact_dbias_quantize")
     names, real = [], module.launch_config
 
-    def recording(name, m, n, device):
+    def recording(name, m, n, device, dtype):
         names.append(name)
-        return real(name, m, n, device)
+        assert dtype == grad.dtype  # the rules may depend on the inputs' dtype (the fused pass's queued form)
+        return real(name, m, n, device, dtype)
 
     monkeypatch.setattr(module, "launch_config", recording)
     grad, pre = _inputs((40,), 64, torch.bfloat16)

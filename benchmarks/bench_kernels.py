@@ -113,7 +113,9 @@ SWEEP_KERNELS = {"dact_dbias_quantize": (2, 2, True, GRAD), "dbias_quantize": (0
 
 
 def _shipped_variant(kernel, m, n):
-    """(block_m, block_n, warps, loop stages, max registers, prefetch) of the launch the library picks."""
+    """(block_m, block_n, warps, loop stages, max registers, prefetch) of the launch the library picks: its
+    tiles, swept in the row groups' grids (the fused pass's queued form has its own grids in
+    kernel_revisions.py, ``qKcC``)."""
     cfg = launch_config(kernel, m, n, torch.device("cuda"))
     return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.loop_stages, cfg.max_registers, cfg.prefetch
 

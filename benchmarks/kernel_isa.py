@@ -65,12 +65,11 @@ def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
 
 
 def _queued_case(activation):
-    rule = LAUNCH_RULES["dact_dbias_quantize"]
-    constants = dict(ACTIVATION=activation, FP8_FORMAT=2, STORE_OUT=True, TRANSPOSE=True, PACK_T=True,
-                     COMPUTE_DBIAS=True, FINISH_DBIAS=True, DBIAS_BF16=False, COMPUTE_AMAX=True, ENCODER=1,
-                     DYNAMIC=True, INDEX_64=False, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
-    return (_dact_dbias_quantize_queued_kernel, _QUEUED_ARGS, _QUEUED_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
-            constants, rule.num_warps, 6)
+    """The fused pass's queued form: the row groups' case with a queue instead of their loop's options."""
+    _, _, _, unit_strides, constants, warps, nbytes = _dact_case("dact_dbias_quantize", activation, 6)
+    constants = {k: v for k, v in constants.items() if k not in ("LOOP_STAGES", "CYCLIC_ROWS", "PREFETCH")}
+    return (_dact_dbias_quantize_queued_kernel, _QUEUED_ARGS, _QUEUED_TYPES, unit_strides,
+            dict(constants, DYNAMIC=True), warps, nbytes)
 
 
 def _bias_act_case(activation=2):

@@ -32,6 +32,7 @@ On a machine without CUDA (``TRITON_INTERPRET=1``) it runs the checks alone, at 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 import statistics
@@ -45,7 +46,7 @@ from bench_kernels import SIZES
 from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
 from lightning_fuse.kernels import (activation_derivative_reference, dact_dbias_quantize, dbias_quantize, quantize,
                                     quantize_reference)
-from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
+from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, _queued_config, launch_config
 
 # pass -> (activation id: 2 is gelu_tanh, 0 none; bytes per element with bf16 inputs; bias gradient;
 # FP8 code: 2 e5m2, the gradients' format, 1 e4m3, the cast's; scale)
@@ -96,9 +97,8 @@ def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str,
         if not (programs.isdigit() and chunk.isdigit() and int(programs) >= 1 and int(chunk) >= 1):
             raise ValueError(f"grid {grid!r}: expected qKcC (the queued form: K programs per multiprocessor, "
                              f"chunks of C row tiles), K, C >= 1")
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        return LaunchConfig(block_m, block_n, warps, sms * int(programs), prefetch=True, chunk_tiles=int(chunk),
-                            max_registers=registers)
+        rule = LaunchRule(block_m, block_n, warps, 0, int(programs), True, chunk_tiles=int(chunk))
+        return dataclasses.replace(_queued_config(m, n, device, rule)[0], max_registers=registers)
     if kind not in ("t", "p") or not count.isdigit() or int(count) < 1:
         raise ValueError(f"grid {grid!r}: expected 'shipped', tK (K row tiles per program), pK (whole waves of K "
                          f"programs per multiprocessor) or qKcC (the queued form), K >= 1")

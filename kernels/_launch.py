@@ -312,12 +312,19 @@ def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule,
     return config
 
 
+# Interpreter launches: small tiles (block_m, block_n, warps) and few slots (multiprocessors, programs
+# on each), so that tests cross tile edges, row groups and chunks.
+_INTERPRETER_TILES = (16, 32, 1)
+_INTERPRETER_SLOTS = (2, 2)
+
+
 def _queued_config(m: int, n: int, device: torch.device, rule: LaunchRule) -> tuple[LaunchConfig, bool]:
     """The rule's queued form for ``(m, n)`` (one program per slot), and whether it has enough chunks
     per slot (``min_chunks_per_slot``; any number in the interpreter, whose chunks are two tiles, so that
     tests cross chunk edges and strips within a program)."""
     if device.type != "cuda":
-        block_m, block_n, num_warps, chunk_tiles, slots, least = 16, 32, 1, 2, 4, 1
+        (block_m, block_n, num_warps), (sms, programs_per_sm) = _INTERPRETER_TILES, _INTERPRETER_SLOTS
+        chunk_tiles, slots, least = 2, sms * programs_per_sm, 1
     else:
         block_m, block_n, num_warps, chunk_tiles = rule.block_m, rule.block_n, rule.num_warps, rule.chunk_tiles
         slots, least = _device_info(device)[1] * rule.programs_per_sm, rule.min_chunks_per_slot
@@ -331,9 +338,8 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     block_m, block_n, num_warps = rule.block_m, rule.block_n, rule.num_warps
     programs_per_sm, loop_stages, whole_waves = rule.programs_per_sm, rule.loop_stages, rule.whole_waves
     if device.type != "cuda":
-        # Interpreter: small tiles, so that tests cross tile edges and row groups.
-        block_m, block_n, num_warps = 16, 32, 1
-        sms, programs_per_sm, loop_stages, whole_waves = 2, 2, 0, False
+        (block_m, block_n, num_warps), (sms, programs_per_sm) = _INTERPRETER_TILES, _INTERPRETER_SLOTS
+        loop_stages, whole_waves = 0, False
     else:
         sms = _device_info(device)[1]
     strips = max(1, -(-n // block_n))

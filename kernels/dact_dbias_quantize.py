@@ -70,6 +70,12 @@ def _dx(grad, pre_act, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION: tl.constexpr):
+    """``dx`` (fp32) of a tile's four row sets from their loaded ``grad`` (``xj``) and ``pre_act`` (``yj``)."""
+    return _dx(x0, y0, ACTIVATION), _dx(x1, y1, ACTIVATION), _dx(x2, y2, ACTIVATION), _dx(x3, y3, ACTIVATION)
+
+
+@triton.jit
 def _dx_rows(grad_ptr, pre_act_ptr, rows, offs_n, mask, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
              ACTIVATION: tl.constexpr):
     """``dx`` (fp32) of one set of rows, loaded here (``_dx``)."""
@@ -176,10 +182,7 @@ def _dact_dbias_quantize_kernel(
             if ACTIVATION != 0:
                 y0, y1, y2, y3 = p0, p1, p2, p3
                 p0, p1, p2, p3 = _load_rows(pre_act_ptr, n0, offs_n, q0, q1, q2, q3, stride_pre_m, stride_pre_n)
-            d0 = _dx(x0, y0, ACTIVATION)
-            d1 = _dx(x1, y1, ACTIVATION)
-            d2 = _dx(x2, y2, ACTIVATION)
-            d3 = _dx(x3, y3, ACTIVATION)
+            d0, d1, d2, d3 = _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION)
         else:
             # Row set by row set, each grad load beside its pre_act load: in this order the two-deep
             # pipelined form compiles to 126 registers (4 programs per multiprocessor); with every grad
@@ -198,10 +201,7 @@ def _dact_dbias_quantize_kernel(
         y0, y1, y2, y3 = g0, g1, g2, g3  # stand-ins without an activation (not read)
         if ACTIVATION != 0:
             y0, y1, y2, y3 = p0, p1, p2, p3
-        d0 = _dx(g0, y0, ACTIVATION)
-        d1 = _dx(g1, y1, ACTIVATION)
-        d2 = _dx(g2, y2, ACTIVATION)
-        d3 = _dx(g3, y3, ACTIVATION)
+        d0, d1, d2, d3 = _dx_sets(g0, g1, g2, g3, y0, y1, y2, y3, ACTIVATION)
     else:
         d0, d1, d2, d3 = _dx_tile(grad_ptr, pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m, stride_grad_n,
                                   stride_pre_m, stride_pre_n, ACTIVATION)
@@ -302,10 +302,7 @@ def _dact_dbias_quantize_queued_kernel(
             g0, g1, g2, g3 = _load_rows(grad_ptr, n0, n_offs, q0, q1, q2, q3, stride_grad_m, stride_grad_n)
             if ACTIVATION != 0:
                 p0, p1, p2, p3 = _load_rows(pre_act_ptr, n0, n_offs, q0, q1, q2, q3, stride_pre_m, stride_pre_n)
-            d0 = _dx(x0, y0, ACTIVATION)
-            d1 = _dx(x1, y1, ACTIVATION)
-            d2 = _dx(x2, y2, ACTIVATION)
-            d3 = _dx(x3, y3, ACTIVATION)
+            d0, d1, d2, d3 = _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION)
             dbias_acc, amax_acc = _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M,
                                              stride_out_m, stride_out_t_n, d0, d1, d2, d3, dbias_acc, amax_acc, scale,
                                              FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, COMPUTE_DBIAS, COMPUTE_AMAX,

@@ -26,6 +26,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -70,6 +71,12 @@ def _queued_case(activation):
     constants = {k: v for k, v in constants.items() if k not in ("LOOP_STAGES", "CYCLIC_ROWS", "PREFETCH")}
     return (_dact_dbias_quantize_queued_kernel, _QUEUED_ARGS, _QUEUED_TYPES, unit_strides,
             dict(constants, DYNAMIC=True), warps, nbytes)
+
+
+def with_inputs(case, dtype: str):
+    """``case`` built for ``dtype`` inputs (``"bf16"``, ``"fp16"``, ``"fp32"``) instead of bf16 ones."""
+    kernel, names, types, unit_strides, constants, warps, nbytes = case
+    return kernel, names, [t.replace("bf16", dtype) for t in types], unit_strides, constants, warps, nbytes
 
 
 def _bias_act_case(activation=2):
@@ -119,19 +126,28 @@ def sass_and_registers(ptx: str) -> tuple[str, int]:
     return sass, int(re.search(r"Used (\d+) registers", info).group(1))
 
 
-def loop_body(sass: str, innermost: bool = False) -> list[str]:
-    """Opcodes of one iteration of the row loop: the instructions between the target of the outermost
-    backward branch and it, less any block a forward branch skips that holds a loop of its own (work a
-    program does once, on its last row tile, such as summing the bias gradient's partials). With
-    ``innermost`` (the queued form, whose tile loop sits in its loop over chunks), the shortest loop
-    that converts to FP8 (``F2FP``)."""
+def _instructions(sass: str) -> list[tuple[int, str, str, Optional[int]]]:
+    """``(address, opcode, operands, control)`` of every instruction in cuobjdump's SASS. ``control`` is
+    the scheduling word ptxas puts in the top bits of each 128-bit instruction (the second hex word
+    cuobjdump prints, shifted right by 41: stall cycles, yield, write and read scoreboards, the mask of
+    scoreboards waited on, register reuse), or ``None`` where the text has no encodings."""
+    lines = sass.splitlines()
     instructions = []
-    for line in sass.splitlines():
+    for i, line in enumerate(lines):
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
         if m:
-            instructions.append((int(m.group(1), 16), m.group(2), m.group(3)))
+            control = None
+            high = re.match(r"\s+/\* (0x[0-9a-f]{16}) \*/\s*$", lines[i + 1]) if i + 1 < len(lines) else None
+            if high:
+                control = int(high.group(1), 16) >> 41
+            instructions.append((int(m.group(1), 16), m.group(2), m.group(3), control))
+    return instructions
+
+
+def _loop(instructions, innermost: bool = False) -> list[int]:
+    """Indices (into ``instructions``) of one iteration of the row loop: see ``loop_body``."""
     branches = []  # (address, target)
-    for address, opcode, operands in instructions:
+    for address, opcode, operands, _ in instructions:
         target = re.match(r"\s+(0x[0-9a-f]+)", operands)
         if opcode == "BRA" and target:
             branches.append((address, int(target.group(1), 16)))
@@ -141,20 +157,55 @@ def loop_body(sass: str, innermost: bool = False) -> list[str]:
     start, end = max(loops, key=lambda loop: loop[1] - loop[0])
     if innermost:
         converting = [(first, last) for first, last in loops
-                      if any(first <= a <= last and op.startswith("F2FP") for a, op, _ in instructions)]
+                      if any(first <= a <= last and op.startswith("F2FP") for a, op, _, _ in instructions)]
         start, end = min(converting or loops, key=lambda loop: loop[1] - loop[0])
     skipped = [(address, target) for address, target in branches
                if start <= address < target <= end
                and any(address < inner_start and inner_end < target for inner_start, inner_end in loops)]
-    return [op for a, op, _ in instructions
+    return [i for i, (a, _, _, _) in enumerate(instructions)
             if start <= a <= end and not any(first < a < target for first, target in skipped)]
+
+
+def loop_body(sass: str, innermost: bool = False) -> list[str]:
+    """Opcodes of one iteration of the row loop: the instructions between the target of the outermost
+    backward branch and it, less any block a forward branch skips that holds a loop of its own (work a
+    program does once, on its last row tile, such as summing the bias gradient's partials). With
+    ``innermost`` (the queued form, whose tile loop sits in its loop over chunks), the shortest loop
+    that converts to FP8 (``F2FP``)."""
+    instructions = _instructions(sass)
+    return [instructions[i][1] for i in _loop(instructions, innermost)]
+
+
+def load_wait(sass: str, innermost: bool = False) -> Optional[int]:
+    """The fewest instructions, over the row loop's global loads (``LDG``), from a load to the first
+    instruction that waits on its scoreboard, following the loop round once (``None`` without such
+    loads). A prefetched tile's loads should be waited on near the end of the iteration, hundreds of
+    instructions on. ptxas has six scoreboards per warp; where it runs out it gives a load the
+    scoreboard of some other variable-latency instruction (an exp, a reciprocal), and whatever waits
+    on that one waits on the load as well: the prefetch is then waited on a few instructions after it
+    was issued, and the fused pass ran 12-20% slower (H100 and H200, BENCHMARKS.md)."""
+    instructions = _instructions(sass)
+    body = _loop(instructions, innermost)
+    fewest = None
+    for position, i in enumerate(body):
+        _, opcode, _, control = instructions[i]
+        if not opcode.startswith("LDG") or control is None or (control >> 5) & 7 == 7:  # 7: no scoreboard
+            continue
+        board = (control >> 5) & 7
+        after = body[position + 1:] + body[:position + 1]
+        distance = next((d for d, j in enumerate(after, 1)
+                         if instructions[j][3] is not None and instructions[j][3] >> 11 & 1 << board), None)
+        if distance is not None and (fewest is None or distance < fewest):
+            fewest = distance
+    return fewest
 
 
 def analyse(name, case, copy_gbps, sms, clock_ghz, dump: Path | None = None) -> dict:
     kernel, names, types, unit_strides, constants, warps, nbytes = case
     compiled = compile_for_sm90(kernel, names, types, unit_strides, constants, warps)
     sass, registers = sass_and_registers(compiled.asm["ptx"])
-    body = loop_body(sass, innermost=kernel is _dact_dbias_quantize_queued_kernel)
+    innermost = kernel is _dact_dbias_quantize_queued_kernel
+    body = loop_body(sass, innermost)
     per_thread = constants["BLOCK_M"] * constants["BLOCK_N"] // (32 * warps)  # elements per thread per tile
     per_element = len(body) / per_thread
     budget = 128 * nbytes * sms * clock_ghz / copy_gbps  # instructions per element at full issue and copy bandwidth
@@ -177,7 +228,9 @@ def analyse(name, case, copy_gbps, sms, clock_ghz, dump: Path | None = None) -> 
                 # the row loop's global stores by width (tests/test_instruction_budget.py)
                 loop_stores=dict(collections.Counter(op for op in body if op.startswith("STG"))),
                 # memory fences in the whole kernel: each holds its program's slot until its stores land
-                fences=len(re.findall(r"\bMEMBAR\b", sass)))
+                fences=len(re.findall(r"\bMEMBAR\b", sass)),
+                # instructions from a loop's load to the first wait on it (load_wait)
+                load_wait=load_wait(sass, innermost))
 
 
 def main():

@@ -44,12 +44,13 @@ import torch.library
 
 from bench_kernels import SIZES
 from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
-from lightning_fuse.kernels import (activation_derivative_reference, dact_dbias_quantize, dbias_quantize, quantize,
-                                    quantize_reference)
+from lightning_fuse.kernels import (ACTIVATIONS, activation_derivative_reference, dact_dbias_quantize, dbias_quantize,
+                                    quantize, quantize_reference)
+from lightning_fuse.kernels.activations import activation_id
 from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, _queued_config, launch_config
 
-# pass -> (activation id: 2 is gelu_tanh, 0 none; bytes per element with bf16 inputs; bias gradient;
-# FP8 code: 2 e5m2, the gradients' format, 1 e4m3, the cast's; scale)
+# pass -> (activation id: 2 is gelu_tanh, 0 none; --activation sets the fused pass's; bytes per element with
+# bf16 inputs; bias gradient; FP8 code: 2 e5m2, the gradients' format, 1 e4m3, the cast's; scale)
 PASSES = {"dact_dbias_quantize": (2, 6, True, 2, 2048.0), "dbias_quantize": (0, 4, True, 2, 2048.0),
           "quantize": (0, 4, False, 1, 32.0)}
 FP8_DTYPES = {1: torch.float8_e4m3fn, 2: torch.float8_e5m2}
@@ -142,7 +143,8 @@ def _reference(pass_name, grad, pre, scale):
     """The float64 values' codes (their own cast), amax and bias gradient: what every launch of the
     pass at this size is checked against."""
     activation, _, _, fp8_code, _ = PASSES[pass_name]
-    dx = grad.double() * (activation_derivative_reference(pre.double(), "gelu_tanh") if activation else 1)
+    dx = grad.double() * (activation_derivative_reference(pre.double(), ACTIVATIONS[activation - 1]) if activation
+                          else 1)
     return quantize_reference(dx, scale, FP8_DTYPES[fp8_code]).view(torch.uint8), dx.abs().max().item(), dx.sum(0)
 
 
@@ -169,8 +171,8 @@ def _compare_one(sources, pass_name, m, n, grad, pre, scale, amax, reference, cf
             out, out_t = quantize(grad, scale=scale, fp8_dtype=fp8_dtype, amax=amax, transpose=True)
             dbias = None
         elif activation:
-            out, out_t, dbias = dact_dbias_quantize(grad, pre, "gelu_tanh", scale=scale, fp8_dtype=fp8_dtype,
-                                                    amax=amax, transpose=True)
+            out, out_t, dbias = dact_dbias_quantize(grad, pre, ACTIVATIONS[activation - 1], scale=scale,
+                                                    fp8_dtype=fp8_dtype, amax=amax, transpose=True)
         else:
             out, out_t, dbias = dbias_quantize(grad, scale=scale, fp8_dtype=fp8_dtype, amax=amax, transpose=True)
         return out.view(torch.uint8), out_t.view(torch.uint8), dbias
@@ -240,6 +242,8 @@ def main():
                         "the cast)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the inputs' dtype")
+    parser.add_argument("--activation", choices=ACTIVATIONS, default="gelu_tanh",
+                        help="the fused pass's activation")
     parser.add_argument("--out", default="results/kernel_revisions")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -254,6 +258,7 @@ def main():
             raise ValueError("--source public=...: the name 'public' is taken by --public; choose another")
         sources["public"] = PUBLIC
     passes = args.passes.split(",")
+    PASSES["dact_dbias_quantize"] = (activation_id(args.activation), *PASSES["dact_dbias_quantize"][1:])
     for p in passes:
         if p not in PASSES:
             raise ValueError(f"--passes: {p!r} is not one of {', '.join(PASSES)}")

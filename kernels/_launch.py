@@ -257,16 +257,18 @@ _MAX_WAVES = 4
 # faster than whole waves and 1.02-1.03x faster than four tiles; four for the activation, 1.03-1.10x
 # faster than whole waves. The backward passes keep whole waves: in programs of two or four row
 # tiles they measured 5-31% slower.
-# The fused pass on bf16 inputs takes its queued form (LaunchConfig.chunk_tiles) where that gives
-# every slot at least 8 chunks: one program per slot (3 per multiprocessor), each taking chunks of
-# four 64-row tiles of one strip from a queue as it frees up, and loading the next chunk's first
+# The fused pass on bf16 and fp16 inputs takes its queued form (LaunchConfig.chunk_tiles) where that
+# gives every slot at least 8 chunks: one program per slot (3 per multiprocessor), each taking chunks
+# of four 64-row tiles of one strip from a queue as it frees up, and loading the next chunk's first
 # tile while it computes the last of the current one. On an H100 it was 4-6% faster than the row
-# groups at 16384x6400, 32768x8192 and 16384x16384 with bf16 inputs, and 6-11% slower with fp16
-# (the same registers and memory instructions; the cause was not found), so fp16 and fp32 (not
-# measured) keep the row groups, as does 8192x3072 (3.9 chunks per slot: about as fast).
+# groups at 16384x6400, 32768x8192 and 16384x16384 with bf16 inputs, and as fast as their fastest
+# form to 4% faster with fp16 at 16384x6400 and 32768x8192 (once its loads no longer shared a
+# scoreboard with the activation's exp: BENCHMARKS.md). fp32 inputs (not measured) keep the row
+# groups, as does 8192x3072 (3.9 chunks per slot: about as fast).
 LAUNCH_RULES: dict[str, LaunchRule] = {
     "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True, chunk_tiles=4,
-                                      queued_dtypes=(torch.bfloat16,), min_chunks_per_slot=8,
+                                      queued_dtypes=(torch.bfloat16, torch.float16),
+                                      min_chunks_per_slot=8,
                                       alternative=LaunchRule(64, 64, 4, 0, 3, True, prefetch=True,
                                                              max_rows_per_program=8192,
                                                              alternative=LaunchRule(64, 64, 4, 2, 4, True),

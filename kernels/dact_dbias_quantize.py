@@ -178,11 +178,17 @@ def _dact_dbias_quantize_kernel(
             y0, y1, y2, y3 = x0, x1, x2, x3  # stand-ins without an activation (not read)
             n0 = r0 + row_step
             q0, q1, q2, q3 = _row_masks(n0, limit, mask_n)
-            g0, g1, g2, g3 = _load_rows(grad_ptr, n0, offs_n, q0, q1, q2, q3, stride_grad_m, stride_grad_n)
             if ACTIVATION != 0:
+                # The next tile's loads after this tile's dx, as in the queued form (its comment says why;
+                # here quick-GELU with fp16 inputs waited on two of them 10 instructions after issuing them).
                 y0, y1, y2, y3 = p0, p1, p2, p3
+                d0, d1, d2, d3 = _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION)
+                g0, g1, g2, g3 = _load_rows(grad_ptr, n0, offs_n, q0, q1, q2, q3, stride_grad_m, stride_grad_n)
                 p0, p1, p2, p3 = _load_rows(pre_act_ptr, n0, offs_n, q0, q1, q2, q3, stride_pre_m, stride_pre_n)
-            d0, d1, d2, d3 = _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION)
+            else:
+                # The cast and the bias gradient (no exp to share a scoreboard with) in the order they were timed in.
+                g0, g1, g2, g3 = _load_rows(grad_ptr, n0, offs_n, q0, q1, q2, q3, stride_grad_m, stride_grad_n)
+                d0, d1, d2, d3 = _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION)
         else:
             # Row set by row set, each grad load beside its pre_act load: in this order the two-deep
             # pipelined form compiles to 126 registers (4 programs per multiprocessor); with every grad
@@ -299,10 +305,14 @@ def _dact_dbias_quantize_queued_kernel(
             n0 = tl.where(inside, m0 + BLOCK_M, n_start) + 4 * quarter
             n_offs = tl.where(inside, strip, n_strip) * BLOCK_N + lanes
             q0, q1, q2, q3 = _row_masks(n0, tl.where(inside, end, n_end), n_offs < N)
+            # The next tile's loads written after this tile's dx: written before it, ptxas gave some of them
+            # the scoreboard of an exp or reciprocal it issued beside them and waited on them there, a dozen
+            # instructions later (fp16 tanh-GELU, bf16 and fp16 SiLU and quick-GELU), not at the loop's end
+            # (kernel_isa.py's "load_wait" column; tests/test_instruction_budget.py).
+            d0, d1, d2, d3 = _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION)
             g0, g1, g2, g3 = _load_rows(grad_ptr, n0, n_offs, q0, q1, q2, q3, stride_grad_m, stride_grad_n)
             if ACTIVATION != 0:
                 p0, p1, p2, p3 = _load_rows(pre_act_ptr, n0, n_offs, q0, q1, q2, q3, stride_pre_m, stride_pre_n)
-            d0, d1, d2, d3 = _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION)
             dbias_acc, amax_acc = _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M,
                                              stride_out_m, stride_out_t_n, d0, d1, d2, d3, dbias_acc, amax_acc, scale,
                                              FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, COMPUTE_DBIAS, COMPUTE_AMAX,

@@ -695,22 +695,22 @@ def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slo
 
 @pytest.mark.parametrize("m,n,queued", [(16384, 6400, True), (32768, 8192, True), (16384, 16384, True),
                                         (8192, 6400, True), (8192, 3072, False), (2048, 768, False)])
-def test_fused_pass_takes_its_queued_form_for_bf16_where_each_slot_gets_eight_chunks(monkeypatch, m, n, queued):
+def test_fused_pass_takes_its_queued_form_for_bf16_and_fp16_where_each_slot_gets_eight_chunks(monkeypatch, m, n,
+                                                                                              queued):
     # 132 multiprocessors, 3 programs each: 396 slots. Chunks of four 64-row tiles of one 64-column
     # strip: 100 x 64 = 6400 at 16384x6400 (16 per slot), 100 x 32 = 3200 at 8192x6400 (8.1), 48 x 32 =
-    # 1536 at 8192x3072 (3.9: the row groups instead). bf16 inputs only: with fp16 the queued form
-    # measured slower than the row groups (BENCHMARKS.md), and fp32 was not measured.
+    # 1536 at 8192x3072 (3.9: the row groups instead). bf16 and fp16 inputs: fp32 was not measured.
     from lightning_fuse.kernels import _launch
 
     monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
     _launch._CONFIGS.clear()
     cuda = torch.device("cuda", 0)
     try:
-        cfg = _launch.launch_config("dact_dbias_quantize", m, n, cuda, torch.bfloat16)
-        assert (cfg.chunk_tiles == 4 and cfg.groups == 396) == queued, cfg
-        assert cfg.chunk_tiles == 0 or cfg.prefetch
-        for dtype in (torch.float16, torch.float32):
-            assert _launch.launch_config("dact_dbias_quantize", m, n, cuda, dtype).chunk_tiles == 0
+        for dtype in (torch.bfloat16, torch.float16):
+            cfg = _launch.launch_config("dact_dbias_quantize", m, n, cuda, dtype)
+            assert (cfg.chunk_tiles == 4 and cfg.groups == 396) == queued, cfg
+            assert cfg.chunk_tiles == 0 or cfg.prefetch
+        assert _launch.launch_config("dact_dbias_quantize", m, n, cuda, torch.float32).chunk_tiles == 0
         assert _launch.launch_config("dbias_quantize", m, n, cuda, torch.bfloat16).chunk_tiles == 0
     finally:
         _launch._CONFIGS.clear()

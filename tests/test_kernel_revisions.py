@@ -103,3 +103,18 @@ def test_the_name_public_is_refused_for_a_copy_when_public_is_asked(tmp_path):
     result = _run_public(tmp_path, f"public={shipped.__file__}")
     assert result.returncode != 0
     assert "the name 'public' is taken by --public" in result.stderr
+
+
+def test_the_fused_pass_is_checked_against_the_activation_asked_for(tmp_path):
+    # --activation silu: the launches and the public function run SiLU's derivative and pass the checks
+    # against float64 SiLU (against tanh-GELU's reference the codes would differ); an unknown name is
+    # refused by argparse with the names accepted.
+    result = _run_public(tmp_path, f"shipped={shipped.__file__}", "--passes", "dact_dbias_quantize",
+                         "--grids", "shipped,t1", "--activation", "silu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(tmp_path / "out" / "revisions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 and all(r["ok"] == "True" for r in rows)
+    refused = _run_public(tmp_path, f"shipped={shipped.__file__}", "--activation", "swish")
+    assert refused.returncode != 0
+    assert "invalid choice: 'swish'" in refused.stderr and "silu" in refused.stderr

@@ -156,9 +156,10 @@ def _loop(instructions, innermost: bool = False) -> list[int]:
         raise ValueError("no loop found in the SASS")
     start, end = max(loops, key=lambda loop: loop[1] - loop[0])
     if innermost:
-        converting = [(first, last) for first, last in loops
-                      if any(first <= a <= last and op.startswith("F2FP") for a, op, _, _ in instructions)]
-        start, end = min(converting or loops, key=lambda loop: loop[1] - loop[0])
+        tiles = [(first, last) for first, last in loops  # converts, or loads a tile 16 bytes a thread
+                 if any(first <= a <= last and (op.startswith("F2FP") or op == "LDG.E.128")
+                        for a, op, _, _ in instructions)]
+        start, end = min(tiles or loops, key=lambda loop: loop[1] - loop[0])
     skipped = [(address, target) for address, target in branches
                if start <= address < target <= end
                and any(address < inner_start and inner_end < target for inner_start, inner_end in loops)]
@@ -171,7 +172,8 @@ def loop_body(sass: str, innermost: bool = False) -> list[str]:
     backward branch and it, less any block a forward branch skips that holds a loop of its own (work a
     program does once, on its last row tile, such as summing the bias gradient's partials). With
     ``innermost`` (the queued form, whose tile loop sits in its loop over chunks), the shortest loop
-    that converts to FP8 (``F2FP``)."""
+    that converts (``F2FP``) or loads a tile (``LDG.E.128``; a pass that stores nothing, the first of
+    current scaling, converts nothing), not the loop that sums the bias gradient's partials."""
     instructions = _instructions(sass)
     return [instructions[i][1] for i in _loop(instructions, innermost)]
 

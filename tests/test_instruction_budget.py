@@ -118,6 +118,12 @@ def test_the_loop_counted_is_the_row_loop_less_its_once_only_block():
                    ("EXIT", ""))
     assert loop_body(queued, innermost=True) == ["FMUL", "F2FP.SATFINITE", "BRA"]
     assert loop_body(queued) == ["IADD3", "FMUL", "F2FP.SATFINITE", "BRA", "STG.E", "ATOMG.E.ADD", "BRA"]
+    # A queued pass that stores nothing (current scaling's first) converts nothing: its tile loop
+    # (0x10-0x30) is the one that loads tiles 16 bytes a thread, not the shorter one (0x40-0x50) that
+    # sums the bias gradient's partials.
+    no_stores = _sass(("MOV", "R0, R1"), ("LDG.E.128", "R4, [R2]"), ("FMUL", "R4, R4, R4"), ("@P0 BRA", "0x10"),
+                      ("LDG.E.STRONG.GPU", "R5, [R6]"), ("@P2 BRA", "0x40"), ("@P1 BRA", "0x10"), ("EXIT", ""))
+    assert loop_body(no_stores, innermost=True) == ["LDG.E.128", "FMUL", "BRA"]
 
 
 def _probe(source: str) -> dict:

@@ -191,9 +191,9 @@ def load_wait(sass: str, innermost: bool = False) -> Optional[int]:
     fewest = None
     for position, i in enumerate(body):
         _, opcode, _, control = instructions[i]
-        if not opcode.startswith("LDG") or control is None or (control >> 5) & 7 == 7:  # 7: no scoreboard
+        board = None if control is None else (control >> 5) & 7
+        if not opcode.startswith("LDG") or board in (None, 7):  # 7: no scoreboard
             continue
-        board = (control >> 5) & 7
         after = body[position + 1:] + body[:position + 1]
         distance = next((d for d, j in enumerate(after, 1)
                          if instructions[j][3] is not None and instructions[j][3] >> 11 & 1 << board), None)

@@ -30,7 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from bench_kernels import SIZES, _resident_per_sm
 from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
-from lightning_fuse.kernels._launch import LAUNCH_RULES, LaunchRule, _pick_config, fp8_encoder, row_loop
+from lightning_fuse.kernels._launch import (LAUNCH_RULES, LaunchRule, _pick_config, fp8_encoder, row_groups_rule,
+                                            row_loop)
 from lightning_fuse.kernels.activations import act_derivative, activation_id
 from lightning_fuse.kernels.fp8 import amax_finish, amax_update, fp8_codes
 
@@ -161,8 +162,7 @@ def run(sizes, copy_gbps, out_dir):
         dbias = torch.empty(n, device="cuda")
         # The row groups' launch: the variants are forms of the row-group kernel (the fused pass's queued
         # form, where the rule takes it, is another kernel).
-        rule = LAUNCH_RULES[name]
-        cfg = _pick_config(m, n, grad.device, rule.alternative if rule.chunk_tiles else rule)
+        cfg = _pick_config(m, n, grad.device, row_groups_rule(LAUNCH_RULES[name]))
 
         def shipped():
             ddq._launch(grad, pre, activation, scale, fp8_code, amax, True, with_dbias, True, cfg, out, out_t, dbias,

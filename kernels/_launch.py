@@ -26,6 +26,7 @@ __all__ = [
     "LaunchRule",
     "launch_config",
     "launcher",
+    "row_groups_rule",
     "needs_index_64",
     "row_loop",
     "ENCODERS",
@@ -299,13 +300,18 @@ def launch_config(pass_name: str, m: int, n: int, device: torch.device,
 _CONFIGS: dict[tuple, LaunchConfig] = {}  # per shape: a launch costs tens of microseconds, this should not add to it
 
 
+def row_groups_rule(rule: LaunchRule) -> LaunchRule:
+    """The rule of ``rule``'s row groups: its ``alternative`` where ``rule`` is a queued form."""
+    return rule.alternative if rule.chunk_tiles else rule
+
+
 def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule,
                  dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     if rule.chunk_tiles:
         config, enough = _queued_config(m, n, device, rule)
         if enough and (dtype in rule.queued_dtypes or device.type != "cuda"):
             return config
-        return _pick_config(m, n, device, rule.alternative, dtype)
+        return _pick_config(m, n, device, row_groups_rule(rule), dtype)
     config, fill = _config_and_fill(m, n, device, rule)
     if rule.alternative is not None and fill < rule.keep_fill:
         other, other_fill = _config_and_fill(m, n, device, rule.alternative)

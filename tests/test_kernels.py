@@ -661,8 +661,7 @@ def test_backward_passes_add_a_wave_where_one_wave_of_programs_would_walk_over_8
 
     monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
     _launch._CONFIGS.clear()
-    rule = _launch.LAUNCH_RULES[name]
-    rule = rule.alternative if rule.chunk_tiles else rule  # the row groups (the fused pass's queued form aside)
+    rule = _launch.row_groups_rule(_launch.LAUNCH_RULES[name])  # the fused pass's queued form aside
     try:
         cfg = _launch._pick_config(m, n, torch.device("cuda", 0), rule)
         rows, got = cfg.row_groups(m)
@@ -683,7 +682,7 @@ def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slo
     monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
     _launch._CONFIGS.clear()
     try:
-        rule = _launch.LAUNCH_RULES["dact_dbias_quantize"].alternative  # the row groups' rule
+        rule = _launch.row_groups_rule(_launch.LAUNCH_RULES["dact_dbias_quantize"])
         cfg = _launch._pick_config(m, n, torch.device("cuda", 0), rule)
         assert (cfg.loop_stages, cfg.prefetch) == ((2, False) if two_deep else (0, True))
         _, fill = _launch._config_and_fill(m, n, torch.device("cuda", 0), rule)

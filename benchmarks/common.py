@@ -106,6 +106,20 @@ def unfused_quantize(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtyp
     return q, (q.t().contiguous() if transpose else None)
 
 
+def unfused_current_scaling(grad: torch.Tensor, pre_act: torch.Tensor | None, approximate: str | None,
+                            fp8_dtype: torch.dtype, transpose: bool = True):
+    """The PyTorch sequence the current-scaling passes replace: gelu_backward (without ``pre_act``: the
+    gradient itself), amax, the scale from it (1 where the amax is zero or not finite), sum, scaled
+    saturating cast, transpose."""
+    dx = grad if pre_act is None else torch.ops.aten.gelu_backward(grad, pre_act, approximate=approximate)
+    amax = dx.abs().amax().float()
+    fmax = FP8_MAX[fp8_dtype]
+    scale = torch.where(torch.isfinite(amax) & (amax > 0), fmax / amax, torch.ones_like(amax))
+    dbias = dx.sum(0, dtype=torch.float32)
+    q = (dx.float() * scale).clamp(-fmax, fmax).to(fp8_dtype)
+    return q, (q.t().contiguous() if transpose else None), dbias, amax, scale
+
+
 def parse_sizes(text: str) -> list[tuple[int, int]]:
     """``"8192x3072,16384x6400"`` -> ``[(8192, 3072), (16384, 6400)]`` (the scripts' ``--sizes``)."""
     return [tuple(int(v) for v in size.split("x")) for size in text.split(",")]

@@ -41,11 +41,11 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _DACT_ARGS = ["grad_ptr", "pre_act_ptr", "out_ptr", "out_t_ptr", "partial_ptr", "dbias_ptr", "counter_ptr",
               "scale_ptr", "amax_ptr",
               "stride_grad_m", "stride_grad_n", "stride_pre_m", "stride_pre_n", "stride_out_m", "stride_out_t_n",
-              "M", "N", "rows_per_group"]
-_DACT_TYPES = ["*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*i32", "*fp32", "*fp32"] + ["i32"] * 9
+              "M", "N", "rows_per_group", "margin_factor"]
+_DACT_TYPES = ["*bf16", "*bf16", "*u8", "*u8", "*fp32", "*fp32", "*i32", "*fp32", "*fp32"] + ["i32"] * 9 + ["fp32"]
 # The queued form: a queue pointer after the counters, chunk sizes instead of the row groups' rows.
-_QUEUED_ARGS = _DACT_ARGS[:7] + ["queue_ptr"] + _DACT_ARGS[7:-1] + ["chunk_rows", "chunks_per_strip"]
-_QUEUED_TYPES = _DACT_TYPES[:7] + ["*i32"] + _DACT_TYPES[7:] + ["i32"]
+_QUEUED_ARGS = _DACT_ARGS[:7] + ["queue_ptr"] + _DACT_ARGS[7:-2] + ["chunk_rows", "chunks_per_strip", "margin_factor"]
+_QUEUED_TYPES = _DACT_TYPES[:7] + ["*i32"] + _DACT_TYPES[7:-1] + ["i32", "fp32"]
 _BIAS_ACT_ARGS = ["h_ptr", "bias_ptr", "y_ptr", "q_ptr", "q_t_ptr", "scale_ptr", "amax_ptr", "pre_ptr",
                   "stride_h_m", "stride_h_n", "stride_y_m", "stride_q_m", "stride_q_t_n", "stride_pre_m",
                   "M", "N", "rows_per_group"]
@@ -58,7 +58,8 @@ def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
         rule = rule.alternative
     constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
                      TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize",
-                     FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True, ENCODER=1, PACK_T=True,
+                     FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True, SCALE_FROM_AMAX=False, ENCODER=1,
+                     PACK_T=True,
                      LOOP_STAGES=rule.loop_stages or None, CYCLIC_ROWS=False, PREFETCH=rule.prefetch, INDEX_64=False,
                      BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
@@ -109,7 +110,8 @@ def compile_for_sm90(kernel, names, types, unit_strides, constants, warps):
         signature[name] = "constexpr"
     for name in constants:
         signature[name] = "constexpr"
-    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name not in unit_strides}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(zip(names, types))
+                 if name not in unit_strides and kind != "fp32"}
     source = ASTSource(fn=kernel, signature=signature, constexprs={**unit_strides, **constants}, attrs=divisible)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 

@@ -5,7 +5,7 @@
 #   bash benchmarks/run_all.sh results
 #
 # From the environment: TEST_FILES (test files under tests/ run on the GPU); limits in seconds
-# TESTS_S, OVERHEAD_S, KERNELS_S, CEILING_S (copy_ceiling.py), MLP_S, E2E_S (fuse.convert=all), and, off by default (0 skips a
+# TESTS_S, OVERHEAD_S, KERNELS_S, CURRENT_S (bench_current_scaling.py), CEILING_S (copy_ceiling.py), MLP_S, E2E_S (fuse.convert=all), and, off by default (0 skips a
 # step), PATTERNS_S (access_patterns.py: the passes' traffic with no arithmetic, in whole waves and one tile per
 # program), E2E_MLP_S (fuse.convert=mlp at E2E_MLP_DIMS, default 2048,4096), SWEEP_S (launch-configuration
 # sweep of SWEEP_KERNELS, default all four passes, at SWEEP_SIZES, default 16384x6400), ABLATION_S
@@ -29,6 +29,7 @@ tests="${TEST_FILES:-test_gpu.py test_scale_update.py test_handoff.py}"
 step gpu_tests "${TESTS_S:-300}" python -m pytest -q -p no:cacheprovider $(for t in $tests; do echo "$root/tests/$t"; done)
 step overhead "${OVERHEAD_S:-60}" python bench_overhead.py --out "$out/overhead"
 step kernels "${KERNELS_S:-300}" python bench_kernels.py --out "$out/kernels"
+step current_scaling "${CURRENT_S:-240}" python bench_current_scaling.py --out "$out/current_scaling"
 step copy_ceiling "${CEILING_S:-120}" python copy_ceiling.py --out "$out/copy_ceiling"
 step access_patterns "${PATTERNS_S:-0}" python access_patterns.py --out "$out/access_patterns"
 step mlp "${MLP_S:-200}" python bench_mlp.py --out "$out/mlp"
@@ -41,7 +42,7 @@ step issue "${ISSUE_S:-0}" python mlp_issue_time.py
 step tma "${TMA_S:-0}" python tma_variants.py --out "$out/tma"
 cat "$out/summary.txt"
 tail -n 3 "$out/gpu_tests.log" 2>/dev/null
-for name in overhead kernels mlp e2e e2e_mlp sweep ablation issue tma; do
+for name in overhead kernels current_scaling mlp e2e e2e_mlp sweep ablation issue tma; do
   [ -f "$out/$name.log" ] && { echo "== $name"; grep -v -i "warn" "$out/$name.log" | tail -n 12; }
 done
 exit 0

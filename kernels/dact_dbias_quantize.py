@@ -16,8 +16,9 @@ of a few row tiles of one strip from a queue as it frees up; ``_dact_dbias_quant
 Also here: ``dbias_quantize`` (no activation term: the backward of a plain FP8 linear with bias),
 and the current-scaling variant, which takes two passes because the scale depends on this
 tensor's own amax: pass 1 reads ``grad`` and ``pre_act`` for the amax and the bias gradient,
-pass 2 reads them again and writes the FP8 copies. That is 4 + 4 + 2 = 10 bytes per element with
-the transposed copy; ``dx`` never exists in high precision.
+pass 2 reads them again, derives the scale from pass 1's amax (each program on its own; one stores
+it) and writes the FP8 copies. That is 4 + 4 + 2 = 10 bytes per element with the transposed copy;
+``dx`` never exists in high precision, and nothing runs between the two passes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from torch.library import triton_op
 from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_margin, check_scale,
                       fp8_encoder, launch_config, launcher, needs_index_64, row_loop, use_triton)
 from .activations import act_derivative, activation_derivative_reference, activation_id, add_rounded
-from .fp8 import FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format
+from .fp8 import (FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format, pass_scale,
+                  scale_from_amax_reference)
 
 __all__ = [
     "dact_dbias_quantize",
@@ -123,6 +125,7 @@ def _dact_dbias_quantize_kernel(
     grad_ptr, pre_act_ptr, out_ptr, out_t_ptr, partial_ptr, dbias_ptr, counter_ptr, scale_ptr, amax_ptr,
     stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n, stride_out_m, stride_out_t_n,
     M, N, rows_per_group,
+    margin_factor,  # 2**margin, with SCALE_FROM_AMAX (last: the other arguments keep their places, and the SASS)
     ACTIVATION: tl.constexpr,  # 0: none (plain bias gradient / quantize), else activations.py's ids
     FP8_FORMAT: tl.constexpr,  # 0: write dx in out's dtype; 1: e4m3fn codes; 2: e5m2 codes
     STORE_OUT: tl.constexpr,  # False for the amax-only first pass of current scaling
@@ -132,6 +135,7 @@ def _dact_dbias_quantize_kernel(
     FINISH_DBIAS: tl.constexpr,  # the last program of each column strip sums the partials (counter_ptr)
     DBIAS_BF16: tl.constexpr,
     COMPUTE_AMAX: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,  # current scaling's pass 2: the scale from amax_ptr's amax (fp8.pass_scale)
     ENCODER: tl.constexpr,  # FP8 encoder: _launch.fp8_encoder
     LOOP_STAGES: tl.constexpr,  # software-pipeline depth of the row loop; None leaves it to the compiler
     CYCLIC_ROWS: tl.constexpr,  # row tiles dealt to the row groups in turn (_launch.LaunchConfig.cyclic_rows)
@@ -155,9 +159,7 @@ def _dact_dbias_quantize_kernel(
     # 2-D accumulators: one reduction at the end instead of a cross-warp reduction per tile.
     dbias_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
     amax_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
-    scale = 1.0  # not read without an FP8 format
-    if FP8_FORMAT != 0:
-        scale = tl.load(scale_ptr)
+    scale = pass_scale(scale_ptr, amax_ptr, margin_factor, (pid_n == 0) & (pid_m == 0), FP8_FORMAT, SCALE_FROM_AMAX)
     limit = tl.minimum(row_end, M)  # the last group's range may end past the last row
     if PREFETCH:
         # The first tile's inputs, rows past this group's masked off (as in every prefetch below).
@@ -254,10 +256,10 @@ def _take_chunk(queue_ptr, chunk, programs, DYNAMIC: tl.constexpr):
 def _dact_dbias_quantize_queued_kernel(
     grad_ptr, pre_act_ptr, out_ptr, out_t_ptr, partial_ptr, dbias_ptr, counter_ptr, queue_ptr, scale_ptr, amax_ptr,
     stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n, stride_out_m, stride_out_t_n,
-    M, N, chunk_rows, chunks_per_strip,
+    M, N, chunk_rows, chunks_per_strip, margin_factor,
     ACTIVATION: tl.constexpr, FP8_FORMAT: tl.constexpr, STORE_OUT: tl.constexpr, TRANSPOSE: tl.constexpr,
     PACK_T: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, FINISH_DBIAS: tl.constexpr, DBIAS_BF16: tl.constexpr,
-    COMPUTE_AMAX: tl.constexpr, ENCODER: tl.constexpr,
+    COMPUTE_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, ENCODER: tl.constexpr,
     DYNAMIC: tl.constexpr,  # chunks handed out by the queue (queue_ptr) as programs free up, else in a fixed stride
     INDEX_64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -275,10 +277,8 @@ def _dact_dbias_quantize_queued_kernel(
         lanes = lanes.to(tl.int64)
         quarter = quarter.to(tl.int64)
     amax_acc = tl.zeros((BLOCK_M // 4, BLOCK_N), dtype=tl.float32)
-    scale = 1.0  # not read without an FP8 format
-    if FP8_FORMAT != 0:
-        scale = tl.load(scale_ptr)
     chunk = tl.program_id(0)
+    scale = pass_scale(scale_ptr, amax_ptr, margin_factor, chunk == 0, FP8_FORMAT, SCALE_FROM_AMAX)
     strip, row, start, end = _chunk(chunk, strips, chunk_rows, M)
     r0 = start + 4 * quarter
     offs_n = strip * BLOCK_N + lanes
@@ -482,10 +482,14 @@ def _pass_name(activation: int, compute_dbias: bool) -> str:
 
 
 def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpose: bool,
-            compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool):
+            compute_dbias: bool, store_out: bool, config: LaunchConfig, out, out_t, dbias, traced: bool,
+            margin: Optional[int] = None):
     """Runs the pass on 2-D ``grad``/``pre_act`` into preallocated outputs (``out_t``/``dbias`` may be
     ``None`` when not written). Returns what the main launch returned (in eager mode the compiled
-    kernel, whose register and shared-memory use the benchmark's sweep reports)."""
+    kernel, whose register and shared-memory use the benchmark's sweep reports).
+
+    With ``margin`` (current scaling's second pass) ``amax`` is read, not reduced: the pass casts with
+    ``fp8.scale_from_amax`` of it and stores that scale into ``scale``."""
     m, n = grad.shape
     strips = -(-n // config.block_n)
     if config.chunk_tiles:
@@ -508,9 +512,11 @@ def _launch(grad, pre_act, activation: int, scale, fp8_code: int, amax, transpos
                stride_grad[0], stride_grad[1], stride_pre[0], stride_pre[1],
                out.stride(0), out_t.stride(0) if transpose else 0, m, n)
     flags = dict(
+        margin_factor=2.0 ** (margin or 0),
         ACTIVATION=activation, FP8_FORMAT=fp8_code, STORE_OUT=store_out, TRANSPOSE=transpose,
         PACK_T=m % 4 == 0, COMPUTE_DBIAS=compute_dbias, FINISH_DBIAS=compute_dbias and counters is not None,
-        DBIAS_BF16=dbias_bf16, COMPUTE_AMAX=amax is not None, ENCODER=fp8_encoder(grad),
+        DBIAS_BF16=dbias_bf16, COMPUTE_AMAX=amax is not None and margin is None,
+        SCALE_FROM_AMAX=margin is not None, ENCODER=fp8_encoder(grad),
         INDEX_64=needs_index_64(m, n, grad, pre_act),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
         **({"maxnreg": config.max_registers} if config.max_registers and not traced else {}),
@@ -732,28 +738,20 @@ def current_scaling_pass(grad, pre_act, activation, fp8_dtype, transpose, margin
     n = g2.shape[1]
     if not use_triton(g2):
         _, _, dbias = dact_dbias_quantize_reference(g2, p2, activation if act else None, amax=amax)
-        scale = _scale_from_amax(amax, fmt.max, margin)
+        scale = scale_from_amax_reference(amax, fmt.max, margin)
         out, out_t, _ = dact_dbias_quantize_reference(g2, p2, activation if act else None, scale=scale,
                                                       fp8_dtype=fp8_dtype, transpose=transpose)
         return out.view(*leading, n), out_t, (dbias.to(dbias_dtype) if compute_dbias else None), amax, scale
     traced = torch.compiler.is_compiling()
     op = _current_scaling_op if traced else _current_scaling_impl
-    out, out_t, dbias, scale = op(g2, p2, act, code, amax, transpose, fmt.max, margin, compute_dbias, traced,
+    out, out_t, dbias, scale = op(g2, p2, act, code, amax, transpose, margin, compute_dbias, traced,
                                   dbias_dtype)
     return (out.view(*leading, n), out_t if transpose else None,
             (dbias if compute_dbias else None), amax, scale)
 
 
-def _scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
-    usable = torch.isfinite(amax) & (amax > 0)
-    # An amax below fp8_max / FLT_MAX overflows the quotient: the largest finite scale instead
-    # (an infinite one turns every zero into NaN: 0 * inf).
-    scale = (fp8_max / amax / (2.0 ** margin)).clamp(max=torch.finfo(torch.float32).max)
-    return torch.where(usable, scale, torch.ones_like(amax)).reshape(())
-
-
 def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], activation: int, fp8_code: int,
-                        amax: torch.Tensor, transpose: bool, fp8_max: float, margin: int, compute_dbias: bool,
+                        amax: torch.Tensor, transpose: bool, margin: int, compute_dbias: bool,
                         traced: bool, dbias_dtype: torch.dtype,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = grad.shape
@@ -763,15 +761,18 @@ def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], a
     second = launch_config(_pass_name(activation, False), m, n, grad.device, grad.dtype)
     out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
-    dbias = torch.zeros((n if compute_dbias else 0,), dtype=dbias_dtype, device=grad.device)
-    if m == 0 or n == 0:  # an empty batch: amax 0, so scale 1, as _scale_from_amax gives
+    # Pass 1 writes every column of the bias gradient; with no rows it is zero (as the one-pass form's).
+    dbias = (torch.empty if m > 0 else torch.zeros)((n if compute_dbias else 0,), dtype=dbias_dtype,
+                                                    device=grad.device)
+    if m == 0 or n == 0:  # an empty batch: amax 0, so scale 1, as scale_from_amax gives
         return out, out_t, dbias, torch.ones((), dtype=torch.float32, device=grad.device)
     # Pass 1: amax (and bias gradient); nothing written per element.
     _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, first, out, out_t, dbias, traced)
-    scale = _scale_from_amax(amax, fp8_max, margin)
-    # Pass 2: the FP8 copies with the scale pass 1 produced.
-    _launch(grad, pre_act, activation, scale, fp8_code, None, transpose, False, True, second, out, out_t, dbias,
-            traced)
+    # Pass 2: the FP8 copies, with the scale it derives from pass 1's amax and stores (fp8.scale_from_amax).
+    # In the pass, not in torch between the two: there it was seven small launches, 20 us a call.
+    scale = torch.empty((), dtype=torch.float32, device=grad.device)
+    _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, False, True, second, out, out_t, dbias,
+            traced, margin=margin)
     return out, out_t, dbias, scale
 
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["FORMAT_DTYPES", "FP8Format", "FP8_FORMATS", "fp8_codes", "fp8_encode", "fp8_encode_ptx", "fp8_encode_ptx4", "fp8_format",
-           "quantize_reference"]
+           "pass_scale", "quantize_reference", "scale_from_amax",
+           "scale_from_amax_reference"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,44 @@ def amax_finish(acc):
     value for the atomic max across programs)."""
     largest = tl.reduce(acc, None, _max_keeping_nan)
     return tl.where(largest == largest, largest, float("inf"))
+
+
+@triton.jit
+def pass_scale(scale_ptr, amax_ptr, margin_factor, writer, FP8_FORMAT: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr):
+    """The FP8 scale a pass casts with: read from ``scale_ptr``, or, with ``SCALE_FROM_AMAX`` (current
+    scaling's second pass), derived from the amax at ``amax_ptr`` (``scale_from_amax``) and stored at
+    ``scale_ptr`` by the program for which ``writer`` is true. 1.0 without an FP8 format (not read)."""
+    scale = 1.0
+    if FP8_FORMAT != 0:
+        if SCALE_FROM_AMAX:
+            scale = scale_from_amax(tl.load(amax_ptr), margin_factor, FP8_FORMAT)
+            if writer:
+                tl.store(scale_ptr, scale)
+        else:
+            scale = tl.load(scale_ptr)
+    return scale
+
+
+@triton.jit
+def scale_from_amax(amax, margin_factor, FP8_FORMAT: tl.constexpr):
+    """Current scaling's scale, ``fp8_max / amax / margin_factor`` (``margin_factor = 2**margin``; each
+    division correctly rounded), at most the largest finite fp32 (an infinite scale turns zeros into
+    NaN: 0 * inf); 1 where ``amax`` is zero or not finite. ``scale_from_amax_reference`` is its torch twin."""
+    if FP8_FORMAT == 1:
+        fp8_max = tl.full((), 448.0, tl.float32)
+    else:
+        fp8_max = tl.full((), 57344.0, tl.float32)
+    usable = (amax > 0) & (amax < float("inf"))  # false for NaN too
+    scale = tl.math.div_rn(tl.math.div_rn(fp8_max, tl.where(usable, amax, 1.0)), margin_factor)
+    return tl.where(usable, tl.minimum(scale, 3.4028234663852886e38), 1.0)
+
+
+def scale_from_amax_reference(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """``scale_from_amax`` in torch: a 0-d fp32 tensor with the same bits."""
+    usable = torch.isfinite(amax) & (amax > 0)
+    quotient = torch.full_like(amax, fp8_max) / torch.where(usable, amax, torch.ones_like(amax))
+    scale = (quotient / torch.full_like(amax, 2.0 ** margin)).clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(usable, scale, torch.ones_like(amax)).reshape(())
 
 
 def quantize_reference(x: torch.Tensor, scale: torch.Tensor | float, fp8_dtype: torch.dtype) -> torch.Tensor:

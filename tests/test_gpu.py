@@ -17,8 +17,10 @@ from lightning_fuse.kernels import (
     activation_reference,
     bias_act,
     dact_dbias_quantize,
+    dact_dbias_quantize_current_scaling,
     dbias_quantize,
     quantize,
+    quantize_current_scaling,
     quantize_reference,
 )
 
@@ -61,6 +63,40 @@ def _check_fused_pass(grad, pre, activation, fp8_dtype):
     assert ((dbias.double() - expected_db).norm() / expected_db.norm()).item() < 1e-5
     assert amax.item() == pytest.approx(dx64.abs().max().item(), rel=1e-5)
     assert sqnr_db(dx.double() / scale.double(), dx64) >= (25 if fp8_dtype == E5M2 else 30)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["gelu_tanh", None])
+@pytest.mark.parametrize("m,n", [(16384, 6400), (4099, 1000)])
+def test_current_scaling_at_training_sizes(dtype, activation, m, n):
+    # Two passes: the amax (and bias gradient), then the FP8 copies with the scale the second pass
+    # derives from that amax and stores. 16384 x 6400 takes the fused pass's queued form on 132
+    # multiprocessors, 4099 x 1000 the row groups; without an activation pass 2 is the cast.
+    grad = torch.randn(m, n, device="cuda", dtype=dtype)
+    pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
+    dx64 = grad.double() if activation is None else grad.double() * activation_derivative_reference(pre.double(),
+                                                                                                    activation)
+    _poison(2 * m * n)
+    if activation is None:
+        dx, dx_t, dbias, amax, scale = dact_dbias_quantize_current_scaling(grad, None, None, fp8_dtype=E5M2,
+                                                                           transpose=True, margin=1)
+    else:
+        dx, dx_t, dbias, amax, scale = dact_dbias_quantize_current_scaling(grad, pre, activation, fp8_dtype=E5M2,
+                                                                           transpose=True, margin=1)
+    expected_amax = dx64.abs().max()
+    assert amax.item() == pytest.approx(expected_amax.item(), rel=1e-6)
+    # The scale: float32's own quotients of the amax the first pass found (fp8_max / amax / 2**margin).
+    fmax = torch.tensor(57344.0, device="cuda")
+    assert scale.item() == (fmax / amax.reshape(()) / torch.tensor(2.0, device="cuda")).item()
+    assert_fp8_close(dx, quantize_reference(dx64, scale.double(), E5M2))
+    assert torch.equal(dx_t.view(torch.uint8), dx.view(torch.uint8).t())  # every transposed element
+    expected_db = dx64.sum(0)
+    assert ((dbias.double() - expected_db).norm() / expected_db.norm()).item() < 1e-5
+    assert sqnr_db(dx.double() / scale.double(), dx64) >= 25
+    q, q_t, x_amax, x_scale = quantize_current_scaling(pre, fp8_dtype=E4M3, transpose=True)
+    assert x_amax.item() == pre.float().abs().max().item()
+    assert torch.equal(q.view(torch.uint8), quantize_reference(pre, x_scale, E4M3).view(torch.uint8))
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])

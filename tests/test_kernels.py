@@ -110,6 +110,10 @@ def test_empty_batch():
     assert dx.shape == (0, 32) and dx_t.shape == (32, 0)
     assert torch.equal(dbias.cpu(), torch.zeros(32))
     assert amax.item() == 3.0
+    dx, dx_t, dbias, amax, scale = dact_dbias_quantize_current_scaling(grad, grad.clone(), "gelu",
+                                                                       fp8_dtype=torch.float8_e5m2, transpose=True)
+    assert dx.shape == (0, 32) and dx_t.shape == (32, 0)
+    assert torch.equal(dbias.cpu(), torch.zeros(32)) and amax.item() == 0 and scale.item() == 1
 
 
 @pytest.mark.parametrize("leading", [(4,), (2, 4)])
@@ -155,6 +159,63 @@ def test_current_scaling_of_a_tiny_amax_keeps_zeros_zero(fp8_dtype):
     expected = (x * torch.finfo(torch.float32).max).to(fp8_dtype)  # about 34 and -3.4 in fp32, then rounded
     assert q.view(torch.uint8).tolist() == expected.view(torch.uint8).tolist()
     assert q.float()[0, 0] == 0 and q.float()[0, 3] == 0
+
+
+# amax values: ordinary, a power of two, a tiny normal (the quotient overflows), a subnormal, huge,
+# zero (scale 1), +inf and NaN (non-finite amax: scale 1)
+SCALE_AMAXES = [3.7, 0.7500001, 2.0**-20, 1e-37, 3e-42, 3e38, 0.0, math.inf, math.nan]
+
+
+def _numpy_scale(amax: float, fp8_max: float, margin: int) -> float:
+    """fp8_max / amax / 2**margin in float32, each division correctly rounded (numpy's), at most
+    float32's largest; 1 for a zero or non-finite amax: an independent twin of the pass's scale."""
+    import numpy as np
+
+    a = np.float32(amax)
+    if not (np.isfinite(a) and a > 0):
+        return 1.0
+    with np.errstate(over="ignore"):
+        scale = np.float32(fp8_max) / a / np.float32(2.0 ** margin)
+    return float(min(scale, np.finfo(np.float32).max))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("margin", [0, 2, -1])
+@pytest.mark.parametrize("activation", [None, "relu"])  # the cast's row groups; the fused pass (queued on CPU)
+def test_current_scaling_derives_its_scale_in_the_second_pass_bit_for_bit(fp8_dtype, margin, activation):
+    # The second pass computes the scale from the first pass's amax and stores it: the scale returned
+    # must be float32's own quotient, and the codes the cast of the input with that scale.
+    fmax = FP8_FORMATS[fp8_dtype].max
+    for amax_value in SCALE_AMAXES:
+        grad = torch.zeros(5, 40, device=DEVICE)
+        grad[3, 17] = amax_value
+        grad[1, 2] = -amax_value / 4 if math.isfinite(amax_value) else 1.0
+        pre = torch.ones_like(grad)  # relu'(1) = 1: dx is grad
+        if activation is None:
+            q, q_t, amax, scale = quantize_current_scaling(grad, fp8_dtype=fp8_dtype, transpose=True, margin=margin)
+        else:
+            q, q_t, _, amax, scale = dact_dbias_quantize_current_scaling(grad, pre, activation, fp8_dtype=fp8_dtype,
+                                                                         transpose=True, margin=margin)
+        expected_amax = grad[3, 17].item() if not math.isnan(amax_value) else math.inf  # a NaN makes it +inf
+        assert amax.item() == expected_amax, (amax_value, amax.item())
+        expected = _numpy_scale(amax.item(), fmax, margin)
+        assert scale.dtype == torch.float32 and scale.shape == ()
+        assert scale.item() == expected, (amax_value, margin, scale.item(), expected)
+        if math.isfinite(amax_value):
+            want = quantize_reference(grad.cpu(), scale.cpu(), fp8_dtype).view(torch.uint8)
+            assert torch.equal(q.cpu().view(torch.uint8), want), amax_value
+        assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
+
+
+def test_scale_from_amax_reference_is_the_passes_formula():
+    # The torch twin (the path without Triton) against the same float32 arithmetic.
+    from lightning_fuse.kernels.fp8 import scale_from_amax_reference
+
+    for fmax in (448.0, 57344.0):
+        for margin in (0, 3, -2):
+            for amax_value in SCALE_AMAXES:
+                got = scale_from_amax_reference(torch.tensor([amax_value]), fmax, margin)
+                assert got.shape == () and got.item() == _numpy_scale(amax_value, fmax, margin), (amax_value, margin)
 
 
 def test_bias_act_amax_leaves_out_the_rows_past_the_end():
@@ -927,8 +988,8 @@ def _op_variants():
         ("dq-fp8-t-queued", dq, (g, p, 2, scale, 2, amax(), True, True, *queued, True, torch.float32)),
         ("dq-high-precision", dq, (g, p, 1, None, 0, None, False, True, *cfg, True, torch.bfloat16)),
         ("dq-cast", dq, (g, None, 0, scale, 1, amax(), False, False, *cfg, True, torch.float32)),
-        ("cs", cs, (g, p, 1, 2, amax(), True, 57344.0, 1, True, True, torch.float32)),
-        ("cs-cast", cs, (g, None, 0, 1, amax(), False, 448.0, 0, False, True, torch.float32)),
+        ("cs", cs, (g, p, 1, 2, amax(), True, 1, True, True, torch.float32)),
+        ("cs-cast", cs, (g, None, 0, 1, amax(), False, 0, False, True, torch.float32)),
         ("ba-fp8-t", ba, (g, bias, 2, torch.float32, scale, 1, amax(), True, torch.empty_like(g), True)),
         ("ba-fp8", ba, (g, bias, 2, torch.float32, scale, 2, None, False, None, True)),
         ("ba-high-precision", ba, (g, bias, 3, torch.float32, None, 0, None, False, None, True)),

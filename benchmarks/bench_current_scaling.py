@@ -9,9 +9,10 @@ the pass with an activation (tanh GELU here), 2 + 4 = 6 without one (pass 2 is t
 For each size and input dtype the outputs are checked first against float64 (the amax, the scale,
 the FP8 codes as ``bench_kernels.py`` checks them, every element of the transposed copy, the bias
 gradient), then timed from CUDA-graph replays (median): the whole call; each pass alone at the
-shipped launch (``between_ms``: the whole call less the two passes); pass 1 at other numbers of programs per multiprocessor (``--pass1-slots``, the
-shipped rule with that residency); the one-pass delayed-scaling call with the same scale given;
-and the eager and compiled current-scaling sequence (``common.unfused_current_scaling``).
+shipped launch (``between_ms``: the whole call less the two passes); pass 1 at other numbers of
+programs per multiprocessor (``--pass1-slots``, the shipped rule with that residency); the one-pass
+delayed-scaling call with the same scale given; and the eager and compiled current-scaling sequence
+(``common.unfused_current_scaling``).
 
     cd benchmarks && python bench_current_scaling.py --out results/current_scaling
 """
@@ -27,8 +28,8 @@ import torch
 from bench_kernels import DTYPES, GRAD, SIZES, _check, _resident_per_sm
 from common import (FP8_MAX, copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table,
                     unfused_current_scaling, write_results)
-from lightning_fuse.kernels import (activation_derivative_reference, dact_dbias_quantize,
-                                    dact_dbias_quantize_current_scaling, dbias_quantize)
+from lightning_fuse.kernels import (dact_dbias_quantize, dact_dbias_quantize_current_scaling,
+                                    dact_dbias_quantize_reference, dbias_quantize)
 from lightning_fuse.kernels._launch import LAUNCH_RULES, LaunchRule, _pick_config, launch_config
 from lightning_fuse.kernels.activations import activation_id
 from lightning_fuse.kernels.dact_dbias_quantize import _launch, _pass_name
@@ -40,17 +41,6 @@ def _with_slots(rule: LaunchRule, programs_per_sm: int) -> LaunchRule:
     """``rule`` and its alternatives with ``programs_per_sm`` programs per multiprocessor."""
     alternative = rule.alternative and _with_slots(rule.alternative, programs_per_sm)
     return dataclasses.replace(rule, programs_per_sm=programs_per_sm, alternative=alternative)
-
-
-def _reference(grad, pre, scale):
-    """float64 ``dx``, its amax, and the FP8 codes with ``scale`` (the pass's own), the transposed
-    copy, the bias gradient."""
-    dx = grad.double()
-    if pre is not None:
-        dx = dx * activation_derivative_reference(pre.double(), ACTIVATION)
-    fmax = FP8_MAX[GRAD]
-    q = (dx * scale.double()).clamp(-fmax, fmax).float().to(GRAD)
-    return (q, q.t().contiguous(), dx.sum(0).float()), dx.abs().max().item()
 
 
 def bench(sizes, dtypes, copy_gbps, out_dir, slots, with_activation=(True, False)):
@@ -68,8 +58,11 @@ def bench(sizes, dtypes, copy_gbps, out_dir, slots, with_activation=(True, False
             return dact_dbias_quantize_current_scaling(grad, pre, activation, fp8_dtype=GRAD, transpose=True)
 
         q, q_t, dbias, amax, scale = ours()
-        ref, amax_ref = _reference(grad, pre, scale)
-        fmax = FP8_MAX[GRAD]
+        # float64 dx, its amax, and the FP8 codes with the pass's own scale, the transposed copy, the bias gradient
+        ref_amax = torch.zeros(1, device=device)
+        ref = dact_dbias_quantize_reference(grad, pre, activation, scale=scale, fp8_dtype=GRAD, amax=ref_amax,
+                                            transpose=True, compute_dtype=torch.float64)
+        amax_ref, fmax = ref_amax.item(), FP8_MAX[GRAD]
         amax_ok = abs(amax.item() - amax_ref) <= 1e-5 * amax_ref
         scale_ok = abs(scale.item() - fmax / amax_ref) <= 1e-5 * fmax / amax_ref
         codes_ok, exact = _check(f"{name} current scaling {m}x{n} {dname}", (q, q_t, dbias), ref)
@@ -118,8 +111,8 @@ def bench(sizes, dtypes, copy_gbps, out_dir, slots, with_activation=(True, False
         resident = _resident_per_sm(compiled1, first.num_warps)
         programs = first.groups if first.chunk_tiles else first.row_groups(m)[1] * -(-n // first.block_n)
         rows.append(dict(kernel=name, M=m, N=n, dtype=dname, ours_ms=t_ours, pass1_ms=t1, pass2_ms=t2,
-                         between_ms=t_ours - t1 - t2, delayed_ms=t_delayed, eager_ms=t_eager, compile_ms=t_comp, vs_eager=t_eager / t_ours,
-                         vs_compile=t_comp / t_ours, vs_delayed=t_ours / t_delayed,
+                         between_ms=t_ours - t1 - t2, delayed_ms=t_delayed, eager_ms=t_eager, compile_ms=t_comp,
+                         vs_eager=t_eager / t_ours, vs_compile=t_comp / t_ours, vs_delayed=t_ours / t_delayed,
                          frac_copy=nbytes / t_ours / 1e6 / copy_gbps,
                          pass1_frac_copy=pass1_bytes / t1 / 1e6 / copy_gbps,
                          pass2_frac_copy=pass2_bytes / t2 / 1e6 / copy_gbps,
@@ -173,8 +166,8 @@ def main():
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
     rows, pass1_rows = bench(parse_sizes(args.sizes), dtypes, copy_gbps, args.out, slots, with_activation)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s")
-    print_table(rows, ["kernel", "M", "N", "dtype", "ours_ms", "pass1_ms", "pass2_ms", "between_ms", "delayed_ms", "eager_ms",
-                       "compile_ms", "vs_eager", "vs_compile", "vs_delayed", "frac_copy", "pass1_frac_copy",
+    print_table(rows, ["kernel", "M", "N", "dtype", "ours_ms", "pass1_ms", "pass2_ms", "between_ms", "delayed_ms",
+                       "eager_ms", "compile_ms", "vs_eager", "vs_compile", "vs_delayed", "frac_copy", "pass1_frac_copy",
                        "pass2_frac_copy", "pass1_regs", "pass1_resident", "ok"])
     if pass1_rows:
         print_table(pass1_rows, list(pass1_rows[0]))

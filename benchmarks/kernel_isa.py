@@ -58,8 +58,8 @@ def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
         rule = rule.alternative
     constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
                      TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize",
-                     FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True, SCALE_FROM_AMAX=False, ENCODER=1,
-                     PACK_T=True,
+                     FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True,
+                     SCALE_FROM_AMAX=False, ENCODER=1, PACK_T=True,
                      LOOP_STAGES=rule.loop_stages or None, CYCLIC_ROWS=False, PREFETCH=rule.prefetch, INDEX_64=False,
                      BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},

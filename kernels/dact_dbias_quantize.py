@@ -761,15 +761,14 @@ def _current_scaling_impl(grad: torch.Tensor, pre_act: Optional[torch.Tensor], a
     second = launch_config(_pass_name(activation, False), m, n, grad.device, grad.dtype)
     out = torch.empty((m, n), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
     out_t = torch.empty((n, m) if transpose else (0, 0), dtype=FORMAT_DTYPES[fp8_code], device=grad.device)
-    # Pass 1 writes every column of the bias gradient; with no rows it is zero (as the one-pass form's).
-    dbias = (torch.empty if m > 0 else torch.zeros)((n if compute_dbias else 0,), dtype=dbias_dtype,
-                                                    device=grad.device)
-    if m == 0 or n == 0:  # an empty batch: amax 0, so scale 1, as scale_from_amax gives
-        return out, out_t, dbias, torch.ones((), dtype=torch.float32, device=grad.device)
+    dbias = torch.empty((n if compute_dbias else 0,), dtype=dbias_dtype, device=grad.device)  # pass 1 writes it
+    if m == 0 or n == 0:  # an empty batch: amax 0, so scale 1, as scale_from_amax gives; a zero bias gradient
+        return out, out_t, dbias.zero_(), torch.ones((), dtype=torch.float32, device=grad.device)
     # Pass 1: amax (and bias gradient); nothing written per element.
     _launch(grad, pre_act, activation, None, 0, amax, False, compute_dbias, False, first, out, out_t, dbias, traced)
     # Pass 2: the FP8 copies, with the scale it derives from pass 1's amax and stores (fp8.scale_from_amax).
-    # In the pass, not in torch between the two: there it was seven small launches, 20 us a call.
+    # In the pass, not in torch between the two: there it was about nine tiny launches, 20-24 us a call
+    # on an H100 (BENCHMARKS.md, "Current scaling").
     scale = torch.empty((), dtype=torch.float32, device=grad.device)
     _launch(grad, pre_act, activation, scale, fp8_code, amax, transpose, False, True, second, out, out_t, dbias,
             traced, margin=margin)

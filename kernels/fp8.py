@@ -20,7 +20,7 @@ import triton.language as tl
 
 __all__ = ["FORMAT_DTYPES", "FP8Format", "FP8_FORMATS", "fp8_codes", "fp8_encode", "fp8_encode_ptx", "fp8_encode_ptx4", "fp8_format",
            "pass_scale", "quantize_reference", "scale_from_amax",
-           "scale_from_amax_reference"]
+           "scale_from_amax_reference", "scale_quotient"]
 
 
 @dataclass(frozen=True)
@@ -170,16 +170,24 @@ def pass_scale(scale_ptr, amax_ptr, margin_factor, writer, FP8_FORMAT: tl.conste
 
 @triton.jit
 def scale_from_amax(amax, margin_factor, FP8_FORMAT: tl.constexpr):
-    """Current scaling's scale, ``fp8_max / amax / margin_factor`` (``margin_factor = 2**margin``; each
-    division correctly rounded), at most the largest finite fp32 (an infinite scale turns zeros into
-    NaN: 0 * inf); 1 where ``amax`` is zero or not finite. ``scale_from_amax_reference`` is its torch twin."""
+    """Current scaling's scale, ``scale_quotient`` of the format's largest value and ``amax``
+    (``margin_factor = 2**margin``); 1 where ``amax`` is zero or not finite. ``scale_from_amax_reference``
+    is its torch twin."""
     if FP8_FORMAT == 1:
         fp8_max = tl.full((), 448.0, tl.float32)
     else:
         fp8_max = tl.full((), 57344.0, tl.float32)
     usable = (amax > 0) & (amax < float("inf"))  # false for NaN too
-    scale = tl.math.div_rn(tl.math.div_rn(fp8_max, tl.where(usable, amax, 1.0)), margin_factor)
-    return tl.where(usable, tl.minimum(scale, 3.4028234663852886e38), 1.0)
+    return tl.where(usable, scale_quotient(fp8_max, amax, usable, margin_factor), 1.0)
+
+
+@triton.jit
+def scale_quotient(fp8_max, amax, usable, margin_factor):
+    """``fp8_max / amax / margin_factor`` where ``usable``, each division correctly rounded (bit-identical
+    to PyTorch's), at most the largest finite fp32: a tiny amax overflows the quotient, and an infinite
+    scale turns zeros into NaN (0 * inf). Where not ``usable`` the value is meaningless (callers replace it)."""
+    quotient = tl.math.div_rn(tl.math.div_rn(fp8_max, tl.where(usable, amax, 1.0)), margin_factor)
+    return tl.minimum(quotient, 3.4028234663852886e38)
 
 
 def scale_from_amax_reference(amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._launch import check_margin, use_triton
+from .fp8 import scale_quotient
 
 __all__ = ["MAX_KERNEL_HISTORY", "aligned_scales", "update_scales", "update_scales_reference"]
 
@@ -47,9 +48,7 @@ def _update_scales_kernel(
         amax = tl.where(finite, newest, 0.0)
     old = tl.load(scale_ptr + cols * scale_stride, mask=col_mask, other=1.0)
     usable = finite & (amax > 0)
-    # Correctly rounded divisions, as PyTorch's: the scales are bit-identical to the reference.
-    scale = tl.where(usable, tl.math.div_rn(tl.math.div_rn(fp8_max, tl.where(usable, amax, 1.0)), margin_factor), old)
-    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)  # tiny amax: largest finite scale
+    scale = tl.where(usable, scale_quotient(fp8_max, amax, usable, margin_factor), old)
     tl.store(new_scale_ptr + cols * new_scale_stride, scale, mask=col_mask)
     tl.store(new_scale_inv_ptr + cols * new_scale_stride, tl.math.div_rn(1.0, scale), mask=col_mask)
     # Every thread has loaded its rows before any row is overwritten by its predecessor.

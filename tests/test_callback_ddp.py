@@ -6,6 +6,7 @@ Every rank must fuse the same modules, take rank 0's benchmark decisions, keep i
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,7 +16,7 @@ import torch.distributed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
-from lightning_fuse import DelayedScaling, FP8ScalingState, FusedBackwardCallback
+from lightning_fuse import DelayedScaling, FP8ScalingState, FusedBackwardCallback, scaling
 
 from boring_models import ShardedMLPModel
 
@@ -179,3 +180,58 @@ def test_ddp_current_scaling_counts_a_nonfinite_gradient_of_any_rank_in_the_logg
         counts = [m["fuse/nonfinite_amax"] for m in torch.load(tmp_path / f"logged{rank}.pt", weights_only=True)
                   if "fuse/nonfinite_amax" in m]
         assert len(counts) == STEPS and counts[0] == 0 and counts[1] >= 1 and counts[2] == counts[1], (rank, counts)
+
+
+# -- the tensors handed to collectives ---------------------------------------------------------------
+# A process group's worker thread may drop its reference to a collective's tensor after the call has
+# returned. Where that reference is the last, the thread frees the tensor's Python object itself, and in
+# a process that is exiting (the interpreter finalizing) that aborts it: in the test above, rank 1 died
+# with SIGABRT in about 1 of 40 runs ("terminate called without an active exception", the gloo worker
+# thread in ~AsyncAllreduceWork), while its last health log summed the ranks' counts in a temporary.
+# So lightning-fuse hands collectives tensors it keeps.
+
+
+def test_the_health_log_sums_the_ranks_counts_in_a_tensor_the_callback_keeps(tmp_path):
+    torch.manual_seed(0)
+    callback = FusedBackwardCallback(recipe="current", emulate=True, benchmark="off", log_every_n_steps=1)
+    logger = _RankFileLogger(tmp_path)
+    trainer = Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, max_steps=1, logger=logger,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback])
+    trainer.fit(ShardedMLPModel())
+    callback.state.current_nonfinite.fill_(3)  # this rank's count; the other rank is said to have seen 2
+    handed = []
+
+    def reduce(tensor: torch.Tensor, group: Any = None, reduce_op: Any = None) -> torch.Tensor:
+        assert reduce_op == "sum"
+        handed.append(weakref.ref(tensor))
+        return tensor.add_(2)
+
+    trainer.strategy.reduce = reduce
+    callback._log_health(trainer)
+    callback._log_health(trainer)
+    assert len(handed) == 2 and handed[0]() is not None and handed[1]() is handed[0]()
+    assert [m["fuse/nonfinite_amax"] for m in logger.calls[-2:]] == [5.0, 5.0]
+
+
+def test_the_amax_all_reduce_takes_a_tensor_the_scaling_state_keeps(monkeypatch):
+    state = FP8ScalingState()
+    state.register("fc")
+    state.ensure(4, torch.device("cpu"))
+    handed = []
+
+    def all_reduce(tensor: torch.Tensor, op: Any = None) -> None:
+        assert op == torch.distributed.ReduceOp.MAX
+        handed.append(weakref.ref(tensor))
+        tensor.clamp_(min=4.0)  # the other rank's amaxes: 4 everywhere
+
+    monkeypatch.setattr(scaling.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(scaling.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(scaling.dist, "all_reduce", all_reduce)
+    for _ in range(2):
+        for group in state.groups.values():
+            group.history[0].fill_(1.0)  # this rank's amaxes
+        state.update(DelayedScaling(amax_history_len=4))
+    assert len(handed) == 2 and handed[0]() is not None and handed[1]() is handed[0]()
+    assert torch.equal(state.groups["forward"].scale, torch.full((2,), 448.0 / 4))
+    assert torch.equal(state.groups["backward"].scale, torch.full((1,), 57344.0 / 4))

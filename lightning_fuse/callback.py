@@ -17,6 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from .autocast import fp8_autocast
+from .collective_buffers import CollectiveBuffers
 from .config import FuseConfig, make_fuse_config, resolve_module_filter
 from .fuse import FuseReport, fp8_state_of, fuse_
 from .modules import FP8LinearBase, fp8_device_problem
@@ -153,14 +154,13 @@ class FusedBackwardCallback(Callback):
         # and (all ranks' count, this rank's count) since then, as of the last health log.
         self._nonfinite_before = 0.0
         self._nonfinite_synced = (0.0, 0.0)
-        # The tensor the ranks' counts are summed in, kept from one health log to the next (_log_health says why).
-        self._nonfinite_sum: Optional[torch.Tensor] = None
+        self._collective = CollectiveBuffers()  # the tensor the ranks' counts are summed in
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn and process-pool sweeps pickle the Trainer's callbacks, this one maybe after a first run:
         # the weak reference to that run's model, an open FP8 context and hook handles do not pickle, and a
         # copy in another process is handed another model anyway (setup starts again for it).
-        return {**self.__dict__, "_fused_for": None, "_context": None, "_capture_handles": [], "_nonfinite_sum": None}
+        return {**self.__dict__, "_fused_for": None, "_context": None, "_capture_handles": []}
 
     # -- setup: swap ------------------------------------------------------------------------------
 
@@ -375,18 +375,10 @@ class FusedBackwardCallback(Callback):
             if not self.state.groups:
                 # No delayed-scaling state, so no scales. Current scaling counts a non-finite gradient on the
                 # rank whose backward saw it (delayed scaling all-reduces its amaxes first): summed over the
-                # ranks, each of which logs here.
-                # The sum is taken in a tensor this callback keeps, not a temporary: the process group's worker thread
-                # may drop its reference to the collective's tensor after the call has returned, and when that
-                # reference is the last one the thread frees the tensor's Python object itself. Late in a
-                # run (this log can be the last thing before the process exits) it then needs the GIL of an
-                # interpreter that is shutting down, and the process aborts (seen with gloo: one rank died
-                # with SIGABRT in about 1 of 40 two-process runs).
+                # ranks, each of which logs here (in a kept tensor: collective_buffers.py says why).
                 local = self._local_nonfinite()
-                device = trainer.strategy.root_device
-                if self._nonfinite_sum is None or self._nonfinite_sum.device != device:
-                    self._nonfinite_sum = torch.zeros((), dtype=torch.float64, device=device)
-                total = trainer.strategy.reduce(self._nonfinite_sum.fill_(local), reduce_op="sum")
+                count = self._collective.get("nonfinite", 1, torch.float64, trainer.strategy.root_device)
+                total = trainer.strategy.reduce(count.fill_(local), reduce_op="sum")
                 self._nonfinite_synced = (float(total), local)
                 stats["nonfinite_amax"] = self._nonfinite_before + self._nonfinite_synced[0]
             metrics.update({f"fuse/{key}": value for key, value in stats.items()})

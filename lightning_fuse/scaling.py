@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from lightning_fuse.kernels import aligned_scales, update_scales
 
+from .collective_buffers import CollectiveBuffers
 from .recipe import DelayedScaling, make_recipe
 
 __all__ = ["FP8ScalingState"]
@@ -119,7 +120,7 @@ class FP8ScalingState:
         self.steps = 0
         self._pending: Optional[dict[str, Any]] = None  # loaded state waiting for a device
         self.current_nonfinite: Optional[torch.Tensor] = None  # non-finite amaxes seen under CurrentScaling
-        self._reduced: dict[tuple[str, ...], torch.Tensor] = {}  # update's all-reduce buffers, by groups
+        self._collective = CollectiveBuffers()  # update's all-reduce tensors, by groups
         _STATES[id(self)] = self
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # unpickled or copied: known by id too
@@ -198,15 +199,10 @@ class FP8ScalingState:
         if not groups:
             return
         if recipe.reduce_amax and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Gathered in a kept tensor, not a temporary (collective_buffers.py says why).
             rows = [self.groups[g].history[0] for g in groups]
-            # Gathered in a buffer the state keeps, not a temporary: the process group's worker thread may
-            # drop its reference to the collective's tensor after the call returns, and if that is the last
-            # reference it frees the tensor's Python object itself, which aborts a process already exiting.
-            newest = self._reduced.get(tuple(groups))
-            if newest is None or newest.device != rows[0].device:
-                newest = self._reduced[tuple(groups)] = torch.empty(sum(r.numel() for r in rows),
-                                                                    dtype=rows[0].dtype, device=rows[0].device)
-            torch.cat(rows, out=newest)
+            newest = torch.cat(rows, out=self._collective.get(tuple(groups), sum(r.numel() for r in rows),
+                                                                rows[0].dtype, rows[0].device))
             # A NaN does not survive a MAX all-reduce on every backend (gloo keeps it or not by rank
             # order): send it as +inf, which does, so every rank counts it and keeps the scale.
             newest.masked_fill_(newest.isnan(), float("inf"))

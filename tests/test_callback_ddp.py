@@ -183,12 +183,9 @@ def test_ddp_current_scaling_counts_a_nonfinite_gradient_of_any_rank_in_the_logg
 
 
 # -- the tensors handed to collectives ---------------------------------------------------------------
-# A process group's worker thread may drop its reference to a collective's tensor after the call has
-# returned. Where that reference is the last, the thread frees the tensor's Python object itself, and in
-# a process that is exiting (the interpreter finalizing) that aborts it: in the test above, rank 1 died
-# with SIGABRT in about 1 of 40 runs ("terminate called without an active exception", the gloo worker
-# thread in ~AsyncAllreduceWork), while its last health log summed the ranks' counts in a temporary.
-# So lightning-fuse hands collectives tensors it keeps.
+# Kept by their owner, not temporaries (lightning_fuse/collective_buffers.py says why): in the test above,
+# rank 1 died with SIGABRT in about 1 of 40 runs, the gloo worker thread freeing the last health log's
+# temporary in ~AsyncAllreduceWork while the interpreter was finalizing.
 
 
 def test_the_health_log_sums_the_ranks_counts_in_a_tensor_the_callback_keeps(tmp_path):

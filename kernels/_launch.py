@@ -209,6 +209,9 @@ class LaunchRule:
     Only for passes without the bias gradient, which measured slower in such grids (BENCHMARKS.md).
     ``max_rows_per_program``: whole waves are added (up to ``_MAX_WAVES``) while a program would
     walk more rows than this; 0 sets no bound.
+    ``cyclic_max_groups``: where the grid is one wave (every program resident at once) of two to
+    this many row groups, the row tiles are dealt to the groups in turn (``LaunchConfig.cyclic_rows``),
+    so the programs running side by side read neighbouring rows; 0: never.
     """
     block_m: int
     block_n: int
@@ -224,11 +227,12 @@ class LaunchRule:
     min_waves: int = 0
     max_rows_per_program: int = 0
     chunk_tiles: int = 0  # LaunchConfig.chunk_tiles: the queued form, one program per slot
-    # The queued form only for inputs of these dtypes and where its chunks number at least
-    # ``min_chunks_per_slot`` per slot (on a GPU); elsewhere the ``alternative`` rule. Few chunks per
-    # program leave the last ones' programs a long tail.
+    # The queued form only for inputs of these dtypes (in the interpreter too) and where its chunks
+    # number at least ``min_chunks_per_slot`` per slot (on a GPU); elsewhere the ``alternative`` rule.
+    # Few chunks per program leave the last ones' programs a long tail.
     queued_dtypes: tuple = ()
     min_chunks_per_slot: int = 0
+    cyclic_max_groups: int = 0
 
 
 _MAX_WAVES = 4
@@ -258,23 +262,26 @@ _MAX_WAVES = 4
 # faster than whole waves and 1.02-1.03x faster than four tiles; four for the activation, 1.03-1.10x
 # faster than whole waves. The backward passes keep whole waves: in programs of two or four row
 # tiles they measured 5-31% slower.
-# The fused pass on bf16 and fp16 inputs takes its queued form (LaunchConfig.chunk_tiles) where that
-# gives every slot at least 8 chunks: one program per slot (3 per multiprocessor), each taking chunks
-# of four 64-row tiles of one strip from a queue as it frees up, and loading the next chunk's first
-# tile while it computes the last of the current one. On an H100 it was 4-6% faster than the row
-# groups at 16384x6400, 32768x8192 and 16384x16384 with bf16 inputs, and as fast as their fastest
-# form to 4% faster with fp16 at 16384x6400 and 32768x8192 (once its loads no longer shared a
-# scoreboard with the activation's exp: BENCHMARKS.md). fp32 inputs (not measured) keep the row
-# groups, as does 8192x3072 (3.9 chunks per slot: about as fast).
+# The backward passes deal their row tiles to the row groups in turn (``cyclic_max_groups``) where
+# the grid is one wave of at most 8 groups: on an H200 the bias gradient's pass 1.05-1.07x and the
+# fused pass's 1.03-1.04x faster at 8192x3072, 16384x3072 and 4096x4096 in a same-run comparison, and
+# 0.96x / 0.99x at 8192x1024 (16 and 32 groups). (Over several waves the bias gradient's pass was
+# 1.04-1.06x faster too, but 17% slower at 16384x16384 in an earlier round: not taken there.)
+# The fused pass's queued form (LaunchConfig.chunk_tiles: one program per slot, each taking chunks of
+# four 64-row tiles of one strip from a queue as it frees up) is a rule option that no shipped rule
+# takes (``queued_dtypes`` empty): 4-6% faster than the row groups on an H100 at 16384x6400 and
+# larger, it was 6-7% slower on the H200 these rules are set for (0.180 against 0.169 ms at
+# 16384x6400, 0.457 against 0.420 at 32768x8192, 0.455 against 0.429 at 16384x16384: BENCHMARKS.md).
 LAUNCH_RULES: dict[str, LaunchRule] = {
     "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True, chunk_tiles=4,
-                                      queued_dtypes=(torch.bfloat16, torch.float16),
+                                      queued_dtypes=(),
                                       min_chunks_per_slot=8,
                                       alternative=LaunchRule(64, 64, 4, 0, 3, True, prefetch=True,
-                                                             max_rows_per_program=8192,
+                                                             max_rows_per_program=8192, cyclic_max_groups=8,
                                                              alternative=LaunchRule(64, 64, 4, 2, 4, True),
                                                              keep_fill=0.9)),
-    "dbias_quantize": LaunchRule(128, 64, 8, 0, 2, True, prefetch=True, max_rows_per_program=8192),
+    "dbias_quantize": LaunchRule(128, 64, 8, 0, 2, True, prefetch=True, max_rows_per_program=8192,
+                                 cyclic_max_groups=8),
     "quantize": LaunchRule(64, 64, 8, 0, 4, True, prefetch=True, tiles_per_program=2, min_waves=4),
     "bias_act": LaunchRule(32, 64, 8, 0, 5, True, prefetch=True, tiles_per_program=4, min_waves=4),
 }
@@ -309,7 +316,7 @@ def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule,
                  dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     if rule.chunk_tiles:
         config, enough = _queued_config(m, n, device, rule)
-        if enough and (dtype in rule.queued_dtypes or device.type != "cuda"):
+        if enough and dtype in rule.queued_dtypes:
             return config
         return _pick_config(m, n, device, row_groups_rule(rule), dtype)
     config, fill = _config_and_fill(m, n, device, rule)
@@ -375,5 +382,6 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     tiles_per_group = -(-row_tiles // groups)
     groups = -(-row_tiles // tiles_per_group)
     programs = groups * strips
-    fill = programs / (-(-programs // slots) * slots)
-    return dataclasses.replace(config, groups=groups), fill
+    waves = -(-programs // slots)
+    cyclic = device.type == "cuda" and whole_waves and waves == 1 and 1 < groups <= rule.cyclic_max_groups
+    return dataclasses.replace(config, groups=groups, cyclic_rows=cyclic), programs / (waves * slots)

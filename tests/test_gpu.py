@@ -70,8 +70,8 @@ def _check_fused_pass(grad, pre, activation, fp8_dtype):
 @pytest.mark.parametrize("m,n", [(16384, 6400), (4099, 1000)])
 def test_current_scaling_at_training_sizes(dtype, activation, m, n):
     # Two passes: the amax (and bias gradient), then the FP8 copies with the scale the second pass
-    # derives from that amax and stores. 16384 x 6400 takes the fused pass's queued form on 132
-    # multiprocessors, 4099 x 1000 the row groups; without an activation pass 2 is the cast.
+    # derives from that amax and stores, at a size of one wave of row groups dealt in turn on 132
+    # multiprocessors (4099 x 1000) and one of two waves; without an activation pass 2 is the cast.
     grad = torch.randn(m, n, device="cuda", dtype=dtype)
     pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
     dx64 = grad.double() if activation is None else grad.double() * activation_derivative_reference(pre.double(),
@@ -100,18 +100,27 @@ def test_current_scaling_at_training_sizes(dtype, activation, m, n):
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
-def test_fused_kernel_in_its_queued_form(activation):
-    # 16384 x 6400 on an H100 or H200 (132 multiprocessors) takes the launch rule's queued form (one
-    # program per slot taking chunks of four row tiles): every output checked as above.
-    from lightning_fuse.kernels._launch import launch_config
+def test_fused_kernel_in_its_queued_form(monkeypatch, activation):
+    # The queued form (one program per slot taking chunks of four row tiles), which the shipped rule
+    # lists for no dtype: a rule that lists bf16 takes it at 16384 x 6400 on 132 multiprocessors, and
+    # every output is checked as above.
+    import dataclasses
+
+    from lightning_fuse.kernels import _launch
 
     m, n = 16384, 6400
-    cfg = launch_config("dact_dbias_quantize", m, n, torch.device("cuda"))
-    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
-        assert cfg.chunk_tiles == 4
-    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
-    _check_fused_pass(grad, pre, activation, E5M2)
+    rule = dataclasses.replace(_launch.LAUNCH_RULES["dact_dbias_quantize"], queued_dtypes=(torch.bfloat16,))
+    monkeypatch.setitem(_launch.LAUNCH_RULES, "dact_dbias_quantize", rule)
+    _launch._CONFIGS.clear()
+    try:
+        cfg = _launch.launch_config("dact_dbias_quantize", m, n, torch.device("cuda"))
+        if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+            assert cfg.chunk_tiles == 4
+        grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 2
+        _check_fused_pass(grad, pre, activation, E5M2)
+    finally:
+        _launch._CONFIGS.clear()
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", None])

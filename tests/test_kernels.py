@@ -6,6 +6,7 @@ of the float64 reference (>= 99% bit-exact, every element within one FP8 step).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import re
@@ -181,7 +182,7 @@ def _numpy_scale(amax: float, fp8_max: float, margin: int) -> float:
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("margin", [0, 2, -1])
-@pytest.mark.parametrize("activation", [None, "relu"])  # the cast's row groups; the fused pass (queued on CPU)
+@pytest.mark.parametrize("activation", [None, "relu"])  # the cast's row groups; the fused pass's
 def test_current_scaling_derives_its_scale_in_the_second_pass_bit_for_bit(fp8_dtype, margin, activation):
     # The second pass computes the scale from the first pass's amax and stores it: the scale returned
     # must be float32's own quotient, and the codes the cast of the input with that scale.
@@ -641,7 +642,8 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
                     assert cfg.groups == 132 * rule.programs_per_sm and cfg.chunk_tiles == rule.chunk_tiles
                     assert chunks >= rule.min_chunks_per_slot * cfg.groups
                     continue
-                assert chunks < rule.min_chunks_per_slot * 132 * rule.programs_per_sm
+                assert (chunks < rule.min_chunks_per_slot * 132 * rule.programs_per_sm
+                        or torch.bfloat16 not in rule.queued_dtypes)
                 rule = rule.alternative
             if rule.alternative is not None and cfg.loop_stages == rule.alternative.loop_stages:
                 rule = rule.alternative
@@ -732,6 +734,33 @@ def test_backward_passes_add_a_wave_where_one_wave_of_programs_would_walk_over_8
         _launch._CONFIGS.clear()
 
 
+@pytest.mark.parametrize("m,n,cyclic", [(8192, 3072, True), (16384, 3072, True), (4096, 4096, True),
+                                        (8192, 1024, False), (16384, 6400, False), (32768, 8192, False),
+                                        (100, 64, False)])
+def test_backward_passes_deal_row_tiles_in_turn_where_one_wave_holds_at_most_8_row_groups(monkeypatch, m, n, cyclic):
+    # 132 multiprocessors, the bias gradient's tiles (128 x 64, 2 per SM: 264 slots). One wave of 5
+    # row groups x 48 strips at 8192x3072 and 16384x3072, 4 x 64 at 4096x4096: tiles dealt in turn.
+    # One wave of 16 x 16 at 8192x1024 (more than 8 groups), two waves of 5 x 100 at 16384x6400, two of
+    # 4 x 128 at 32768x8192, one row group at 100x64: contiguous ranges. Interpreter launches never
+    # deal in turn (their grids are the tests' own).
+    from lightning_fuse.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    rule = _launch.LAUNCH_RULES["dbias_quantize"]
+    assert rule.cyclic_max_groups == 8
+    cfg = _launch._pick_config(m, n, torch.device("cuda", 0), rule)
+    strips = -(-n // cfg.block_n)
+    groups = cfg.row_groups(m)[1]
+    assert cfg.cyclic_rows == cyclic, cfg
+    assert cyclic == (1 < groups <= 8 and groups * strips <= 132 * rule.programs_per_sm)
+    plain = _launch._pick_config(m, n, torch.device("cuda", 0), dataclasses.replace(rule, cyclic_max_groups=0))
+    assert not plain.cyclic_rows and dataclasses.replace(plain, cyclic_rows=cfg.cyclic_rows) == cfg
+    assert not _launch._pick_config(m, n, torch.device("cpu"), rule).cyclic_rows
+    # The fused pass's row groups: 8 x 48 programs on 396 slots at 8192x3072.
+    fused = _launch._pick_config(8192, 3072, torch.device("cuda", 0), _launch.LAUNCH_RULES["dact_dbias_quantize"])
+    assert fused.cyclic_rows and fused.row_groups(8192)[1] == 8 and not fused.chunk_tiles
+
+
 @pytest.mark.parametrize("m,n,two_deep", [(16384, 6400, True), (8192, 6400, True), (8192, 3072, False),
                                           (32768, 8192, False), (16384, 16384, False), (100, 64, False)])
 def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slots_idle(monkeypatch, m, n, two_deep):
@@ -755,25 +784,27 @@ def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slo
 
 @pytest.mark.parametrize("m,n,queued", [(16384, 6400, True), (32768, 8192, True), (16384, 16384, True),
                                         (8192, 6400, True), (8192, 3072, False), (2048, 768, False)])
-def test_fused_pass_takes_its_queued_form_for_bf16_and_fp16_where_each_slot_gets_eight_chunks(monkeypatch, m, n,
-                                                                                              queued):
+def test_a_queued_rule_takes_its_queued_form_for_its_dtypes_where_each_slot_gets_eight_chunks(monkeypatch, m, n,
+                                                                                             queued):
     # 132 multiprocessors, 3 programs each: 396 slots. Chunks of four 64-row tiles of one 64-column
     # strip: 100 x 64 = 6400 at 16384x6400 (16 per slot), 100 x 32 = 3200 at 8192x6400 (8.1), 48 x 32 =
-    # 1536 at 8192x3072 (3.9: the row groups instead). bf16 and fp16 inputs: fp32 was not measured.
+    # 1536 at 8192x3072 (3.9: the row groups instead). The shipped rule lists no dtype (the queued form
+    # was slower on an H200): it never takes the form, on a GPU or in the interpreter.
     from lightning_fuse.kernels import _launch
 
     monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
-    _launch._CONFIGS.clear()
     cuda = torch.device("cuda", 0)
-    try:
-        for dtype in (torch.bfloat16, torch.float16):
-            cfg = _launch.launch_config("dact_dbias_quantize", m, n, cuda, dtype)
-            assert (cfg.chunk_tiles == 4 and cfg.groups == 396) == queued, cfg
-            assert cfg.chunk_tiles == 0 or cfg.prefetch
-        assert _launch.launch_config("dact_dbias_quantize", m, n, cuda, torch.float32).chunk_tiles == 0
-        assert _launch.launch_config("dbias_quantize", m, n, cuda, torch.bfloat16).chunk_tiles == 0
-    finally:
-        _launch._CONFIGS.clear()
+    shipped = _launch.LAUNCH_RULES["dact_dbias_quantize"]
+    rule = dataclasses.replace(shipped, queued_dtypes=(torch.bfloat16, torch.float16))
+    for dtype in (torch.bfloat16, torch.float16):
+        cfg = _launch._pick_config(m, n, cuda, rule, dtype)
+        assert (cfg.chunk_tiles == 4 and cfg.groups == 396) == queued, cfg
+        assert cfg.chunk_tiles == 0 or cfg.prefetch
+        assert _launch._pick_config(m, n, cuda, shipped, dtype).chunk_tiles == 0
+        assert _launch._pick_config(m, n, torch.device("cpu"), shipped, dtype).chunk_tiles == 0
+        assert _launch._pick_config(m, n, torch.device("cpu"), rule, dtype).chunk_tiles == 2  # any number there
+    assert _launch._pick_config(m, n, cuda, rule, torch.float32).chunk_tiles == 0
+    assert _launch.launch_config("dbias_quantize", m, n, cuda, torch.bfloat16).chunk_tiles == 0
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", None])

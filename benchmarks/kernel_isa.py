@@ -11,6 +11,7 @@ copy bandwidth. The defaults are an H200's (132 SMs, 4249 GB/s measured copy ban
 
     python benchmarks/kernel_isa.py            # table of every kernel at its shipped launch
     python benchmarks/kernel_isa.py --dump out  # also writes each kernel's PTX and SASS there
+    python benchmarks/kernel_isa.py --only dbias --inputs bf16,fp16  # one pass, two input dtypes
 
 The specialization matches a launch at sizes divisible by 16 (as Triton specializes them): unit
 strides as constants, every other integer and pointer 16-divisible.
@@ -245,11 +246,14 @@ def main():
     parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS into this folder")
     parser.add_argument("--only", help="analyse only the kernels whose name contains this")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
+    parser.add_argument("--inputs", default="bf16", help="input dtypes, comma-separated: bf16, fp16, fp32")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("kernel_isa.py compiles for a GPU target: run it without TRITON_INTERPRET=1")
-    rows = [analyse(name, case, args.copy_gbps, args.sms, args.clock_ghz, args.dump) for name, case in CASES.items()
-            if args.only is None or args.only in name]
+    rows = [analyse(name if dtype == "bf16" else f"{name}, {dtype}", with_inputs(case, dtype), args.copy_gbps,
+                    args.sms, args.clock_ghz, args.dump)
+            for name, case in CASES.items() if args.only is None or args.only in name
+            for dtype in args.inputs.split(",")]
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
     columns = list(rows[0])

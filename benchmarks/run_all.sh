@@ -10,7 +10,8 @@
 # program), E2E_MLP_S (fuse.convert=mlp at E2E_MLP_DIMS, default 2048,4096), SWEEP_S (launch-configuration
 # sweep of SWEEP_KERNELS, default all four passes, at SWEEP_SIZES, default 16384x6400), ABLATION_S
 # (kernel_ablation.py at SWEEP_SIZES), ISSUE_S (mlp_issue_time.py: is the MLP step host-bound) and
-# TMA_S (tma_variants.py: the passes with TMA descriptor loads and stores).
+# TMA_S (tma_variants.py: the passes with TMA descriptor loads and stores), ORDER_S (row_order.py: row tiles
+# in one range per row group or dealt in turn).
 # A step cut off by its limit keeps what it wrote so far.
 set -u
 out="$(realpath -m "${1:-results}")"
@@ -40,9 +41,10 @@ step sweep "${SWEEP_S:-0}" python bench_kernels.py --sweep --sweep-only --sweep-
 step ablation "${ABLATION_S:-0}" python kernel_ablation.py --sizes "${SWEEP_SIZES:-16384x6400}" --out "$out/ablation"
 step issue "${ISSUE_S:-0}" python mlp_issue_time.py
 step tma "${TMA_S:-0}" python tma_variants.py --out "$out/tma"
+step row_order "${ORDER_S:-0}" python row_order.py --out "$out/row_order"
 cat "$out/summary.txt"
 tail -n 3 "$out/gpu_tests.log" 2>/dev/null
-for name in overhead kernels current_scaling mlp e2e e2e_mlp sweep ablation issue tma; do
+for name in overhead kernels current_scaling mlp e2e e2e_mlp sweep ablation issue tma row_order; do
   [ -f "$out/$name.log" ] && { echo "== $name"; grep -v -i "warn" "$out/$name.log" | tail -n 12; }
 done
 exit 0

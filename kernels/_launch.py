@@ -315,9 +315,10 @@ def row_groups_rule(rule: LaunchRule) -> LaunchRule:
 def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule,
                  dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     if rule.chunk_tiles:
-        config, enough = _queued_config(m, n, device, rule)
-        if enough and dtype in rule.queued_dtypes:
-            return config
+        if dtype in rule.queued_dtypes:
+            config, enough = _queued_config(m, n, device, rule)
+            if enough:
+                return config
         return _pick_config(m, n, device, row_groups_rule(rule), dtype)
     config, fill = _config_and_fill(m, n, device, rule)
     if rule.alternative is not None and fill < rule.keep_fill:
@@ -383,5 +384,6 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     groups = -(-row_tiles // tiles_per_group)
     programs = groups * strips
     waves = -(-programs // slots)
-    cyclic = device.type == "cuda" and whole_waves and waves == 1 and 1 < groups <= rule.cyclic_max_groups
+    # Never in the interpreter: its grids are not whole waves.
+    cyclic = whole_waves and waves == 1 and 1 < groups <= rule.cyclic_max_groups
     return dataclasses.replace(config, groups=groups, cyclic_rows=cyclic), programs / (waves * slots)

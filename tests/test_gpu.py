@@ -70,8 +70,8 @@ def _check_fused_pass(grad, pre, activation, fp8_dtype):
 @pytest.mark.parametrize("m,n", [(16384, 6400), (4099, 1000)])
 def test_current_scaling_at_training_sizes(dtype, activation, m, n):
     # Two passes: the amax (and bias gradient), then the FP8 copies with the scale the second pass
-    # derives from that amax and stores, at a size of one wave of row groups dealt in turn on 132
-    # multiprocessors (4099 x 1000) and one of two waves; without an activation pass 2 is the cast.
+    # derives from that amax and stores, both sizes in row groups; without an activation pass 2 is
+    # the cast.
     grad = torch.randn(m, n, device="cuda", dtype=dtype)
     pre = torch.randn(m, n, device="cuda", dtype=dtype) * 2
     dx64 = grad.double() if activation is None else grad.double() * activation_derivative_reference(pre.double(),

@@ -59,7 +59,7 @@ def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
         rule = rule.alternative
     constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
                      TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize",
-                     FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=False, COMPUTE_AMAX=True,
+                     FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=pass_name != "quantize", COMPUTE_AMAX=True,
                      SCALE_FROM_AMAX=False, ENCODER=1, PACK_T=True,
                      LOOP_STAGES=rule.loop_stages or None, CYCLIC_ROWS=False, PREFETCH=rule.prefetch, INDEX_64=False,
                      BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
@@ -78,6 +78,8 @@ def _queued_case(activation):
 def with_inputs(case, dtype: str):
     """``case`` built for ``dtype`` inputs (``"bf16"``, ``"fp16"``, ``"fp32"``) instead of bf16 ones."""
     kernel, names, types, unit_strides, constants, warps, nbytes = case
+    if "DBIAS_BF16" in constants:  # the launch rounds the bias gradient to bf16 by hand for bf16 inputs only
+        constants = dict(constants, DBIAS_BF16=constants["COMPUTE_DBIAS"] and dtype == "bf16")
     return kernel, names, [t.replace("bf16", dtype) for t in types], unit_strides, constants, warps, nbytes
 
 

@@ -11,7 +11,9 @@
 # sweep of SWEEP_KERNELS, default all four passes, at SWEEP_SIZES, default 16384x6400), ABLATION_S
 # (kernel_ablation.py at SWEEP_SIZES), ISSUE_S (mlp_issue_time.py: is the MLP step host-bound) and
 # TMA_S (tma_variants.py: the passes with TMA descriptor loads and stores), ORDER_S (row_order.py: row tiles
-# in one range per row group or dealt in turn).
+# in one range per row group or dealt in turn), FORMS_S (fused_forms.py: the fused pass's forms beside the
+# same-run torch.compile baseline; FORMS, default 'shipped in_turn stages1') and DTYPES_S (input_dtypes.py: the
+# bias gradient's pass with bf16 and fp16 inputs in buffers placed anew).
 # A step cut off by its limit keeps what it wrote so far.
 set -u
 out="$(realpath -m "${1:-results}")"
@@ -42,9 +44,12 @@ step ablation "${ABLATION_S:-0}" python kernel_ablation.py --sizes "${SWEEP_SIZE
 step issue "${ISSUE_S:-0}" python mlp_issue_time.py
 step tma "${TMA_S:-0}" python tma_variants.py --out "$out/tma"
 step row_order "${ORDER_S:-0}" python row_order.py --out "$out/row_order"
+step fused_forms "${FORMS_S:-0}" python fused_forms.py $(for f in ${FORMS:-shipped in_turn stages1}; do echo --form "$f"; done) \
+  --out "$out/fused_forms"
+step input_dtypes "${DTYPES_S:-0}" python input_dtypes.py --out "$out/input_dtypes"
 cat "$out/summary.txt"
 tail -n 3 "$out/gpu_tests.log" 2>/dev/null
-for name in overhead kernels current_scaling mlp e2e e2e_mlp sweep ablation issue tma row_order; do
+for name in overhead kernels current_scaling mlp e2e e2e_mlp sweep ablation issue tma row_order fused_forms input_dtypes; do
   [ -f "$out/$name.log" ] && { echo "== $name"; grep -v -i "warn" "$out/$name.log" | tail -n 12; }
 done
 exit 0

@@ -130,13 +130,13 @@ def compare(forms, m, n, dname, rounds, copy_gbps, device):
                     times[form.name].append(graph_ms(ours, rep_ms=100))
         torch._dynamo.reset()
     median = {name: statistics.median(ts) if ts else float("nan") for name, ts in {**times, **baselines}.items()}
-    shipped = median[forms[0].name]
+    first = median[forms[0].name]
     rows = []
     for form in forms:
         cfg, t = configs[form.name], median[form.name]
         rows.append(dict(form=form.name, M=m, N=n, dtype=dname, groups=cfg.row_groups(m)[1],
                          loop_stages=cfg.loop_stages, prefetch=cfg.prefetch, in_turn=cfg.cyclic_rows, ms=t,
-                         vs_first=shipped / t, vs_eager=median["eager"] / t, vs_compile=median["compile"] / t,
+                         vs_first=first / t, vs_eager=median["eager"] / t, vs_compile=median["compile"] / t,
                          frac_copy=m * n * (2 * grad.element_size() + 2) / t / 1e6 / copy_gbps,
                          eager_ms=median["eager"], compile_ms=median["compile"],
                          spread=max(times[form.name]) / min(times[form.name]) if times[form.name] else float("nan"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import importlib
 import json
 import os
@@ -53,6 +54,33 @@ def separate_sum_launch():
         yield
     finally:
         module._arrival_counters = in_pass
+
+
+@contextlib.contextmanager
+def row_groups_changed(cyclic_rows: bool | None = None, loop_stages: int | None = None):
+    """Inside it, every row-groups launch the rules pick (of two groups or more; the queued form is left
+    as it is) deals its row tiles in turn or not (``cyclic_rows``; ``None`` keeps the rule's order), and
+    every one whose loop has no prefetch is pipelined ``loop_stages`` deep (``None`` keeps the rule's)."""
+    launch = importlib.import_module("lightning_fuse.kernels._launch")
+    pick = launch._pick_config
+
+    def changed(m, n, device, rule, dtype=torch.bfloat16):
+        cfg = pick(m, n, device, rule, dtype)
+        if cfg.chunk_tiles:
+            return cfg
+        if cyclic_rows is not None and cfg.groups > 1:
+            cfg = dataclasses.replace(cfg, cyclic_rows=cyclic_rows)
+        if loop_stages is not None and not cfg.prefetch:
+            cfg = dataclasses.replace(cfg, loop_stages=loop_stages)
+        return cfg
+
+    launch._pick_config = changed
+    launch._CONFIGS.clear()
+    try:
+        yield
+    finally:
+        launch._pick_config = pick
+        launch._CONFIGS.clear()
 
 
 def host_ms(fn, calls: int = 200, warmup: int = 1) -> float:

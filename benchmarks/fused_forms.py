@@ -33,7 +33,7 @@ import statistics
 import torch
 
 from bench_kernels import GRAD, _check, _dact_reference, _poison_like
-from common import (copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table,
+from common import (copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, row_groups_changed,
                     unfused_dact_dbias_quantize, write_results)
 from kernel_revisions import load_source
 from lightning_fuse.kernels import _launch, dact_dbias_quantize
@@ -76,23 +76,12 @@ def parse_form(spec: str, sources: dict) -> Form:
 @contextlib.contextmanager
 def using(form: Form):
     """Every fused launch inside runs ``form``: its kernel, and the rules' pick changed as it says."""
-    pick = _launch._pick_config
-
-    def changed(m, n, device, rule, dtype=torch.bfloat16):
-        cfg = pick(m, n, device, rule, dtype)
-        if form.loop_stages is not None and not cfg.prefetch and not cfg.chunk_tiles:
-            cfg = dataclasses.replace(cfg, loop_stages=form.loop_stages)
-        if form.in_turn and not cfg.chunk_tiles and cfg.groups > 1:
-            cfg = dataclasses.replace(cfg, cyclic_rows=True)
-        return cfg
-
-    _launch._pick_config, fused_module._dact_dbias_quantize_kernel = changed, form.kernel
-    _launch._CONFIGS.clear()
+    fused_module._dact_dbias_quantize_kernel = form.kernel
     try:
-        yield
+        with row_groups_changed(cyclic_rows=True if form.in_turn else None, loop_stages=form.loop_stages):
+            yield
     finally:
-        _launch._pick_config, fused_module._dact_dbias_quantize_kernel = pick, SHIPPED_KERNEL
-        _launch._CONFIGS.clear()
+        fused_module._dact_dbias_quantize_kernel = SHIPPED_KERNEL
 
 
 def compare(forms, m, n, dname, rounds, copy_gbps, device):

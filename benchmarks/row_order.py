@@ -16,34 +16,15 @@ measured at the start. Grids in the queued form (no row groups) are skipped.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 
 import torch
 
-from common import copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, write_results
+from common import (copy_bandwidth_gbps, environment, graph_ms, parse_sizes, print_table, row_groups_changed,
+                    write_results)
 from lightning_fuse.kernels import _launch, dact_dbias_quantize, dbias_quantize
 
 SIZES = "8192x3072,16384x3072,8192x1024,4096x4096,8192x6400,16384x6400,32768x8192"
 PASSES = {"dbias_quantize": 4, "dact_dbias_quantize": 6}  # bytes per element with bf16 inputs
-
-
-@contextlib.contextmanager
-def row_order(cyclic: bool):
-    """Every row-groups launch picked inside deals its tiles in turn (``cyclic``) or not."""
-    pick = _launch._pick_config
-
-    def forced(m, n, device, rule, dtype=torch.bfloat16):
-        cfg = pick(m, n, device, rule, dtype)
-        return cfg if cfg.chunk_tiles or cfg.groups < 2 else dataclasses.replace(cfg, cyclic_rows=cyclic)
-
-    _launch._pick_config = forced
-    _launch._CONFIGS.clear()
-    try:
-        yield
-    finally:
-        _launch._pick_config = pick
-        _launch._CONFIGS.clear()
 
 
 def compare(name, m, n, rounds, copy_gbps):
@@ -61,7 +42,7 @@ def compare(name, m, n, rounds, copy_gbps):
             return dact_dbias_quantize(grad, pre, "gelu_tanh", **kwargs)
     configs, outputs = {}, {}
     for cyclic in (False, True):
-        with row_order(cyclic):
+        with row_groups_changed(cyclic_rows=cyclic):
             configs[cyclic] = _launch.launch_config(name, m, n, grad.device, grad.dtype)
             amax.zero_()
             outputs[cyclic] = [t.clone() for t in run()] + [amax.clone()]
@@ -75,7 +56,7 @@ def compare(name, m, n, rounds, copy_gbps):
     times = {False: [], True: []}
     for _ in range(rounds):
         for cyclic in (False, True):
-            with row_order(cyclic):
+            with row_groups_changed(cyclic_rows=cyclic):
                 times[cyclic].append(graph_ms(run, rep_ms=100))
     median = {c: sorted(t)[len(t) // 2] for c, t in times.items()}
     rows, groups = configs[False].row_groups(m)

@@ -161,8 +161,8 @@ class LaunchConfig:
     max_registers: int = 0  # per-thread register cap for the compiler (0: its choice); eager launches only
     # Row tiles dealt to the groups in turn (group g takes tiles g, g + groups, ...) instead of one
     # contiguous range per group, so programs running side by side write neighbouring bytes of each
-    # transposed row. A sweep knob for eager launches (like max_registers): 3-5% faster at 8192x3072,
-    # 17-18% slower at 16384x16384 (BENCHMARKS.md); the launch rules keep contiguous ranges.
+    # transposed row. The launch rules take it where one wave holds 2 to ``LaunchRule.cyclic_max_groups``
+    # row groups (1.03-1.07x on an H200; 17-18% slower at 16384x16384 in an earlier round: BENCHMARKS.md).
     cyclic_rows: bool = False
     # Each tile's inputs loaded one iteration ahead into registers (the loop carries them), so a
     # program has two tiles' loads in flight without the shared-memory round trip of a pipelined loop.

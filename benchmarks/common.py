@@ -57,10 +57,13 @@ def separate_sum_launch():
 
 
 @contextlib.contextmanager
-def row_groups_changed(cyclic_rows: bool | None = None, loop_stages: int | None = None):
+def row_groups_changed(cyclic_rows: bool | None = None, loop_stages: int | None = None,
+                       max_registers: int | None = None, groups: int | None = None):
     """Inside it, every row-groups launch the rules pick (of two groups or more; the queued form is left
-    as it is) deals its row tiles in turn or not (``cyclic_rows``; ``None`` keeps the rule's order), and
-    every one whose loop has no prefetch is pipelined ``loop_stages`` deep (``None`` keeps the rule's)."""
+    as it is) deals its row tiles in turn or not (``cyclic_rows``; ``None`` keeps the rule's order),
+    every one whose loop has no prefetch is pipelined ``loop_stages`` deep (``None`` keeps the rule's),
+    and, where given, compiles under a cap of ``max_registers`` per thread and runs ``groups`` row groups
+    per column strip (``None`` keeps the rule's grid; the group count is evened out as the rules do)."""
     launch = importlib.import_module("lightning_fuse.kernels._launch")
     pick = launch._pick_config
 
@@ -72,6 +75,11 @@ def row_groups_changed(cyclic_rows: bool | None = None, loop_stages: int | None 
             cfg = dataclasses.replace(cfg, cyclic_rows=cyclic_rows)
         if loop_stages is not None and not cfg.prefetch:
             cfg = dataclasses.replace(cfg, loop_stages=loop_stages)
+        if max_registers is not None:
+            cfg = dataclasses.replace(cfg, max_registers=max_registers)
+        if groups is not None:
+            cfg = dataclasses.replace(cfg, groups=groups)
+            cfg = dataclasses.replace(cfg, groups=cfg.row_groups(m)[1])  # no empty group
         return cfg
 
     launch._pick_config = changed

@@ -8,6 +8,9 @@ beside the baseline measured with it. Each ``--form`` is run through the public
 - ``stagesK``: that launch with a ``K``-deep pipelined row loop where it takes the loop without
   prefetch (the two-deep form's; 1 turns the pipelining off);
 - ``in_turn``: that launch with its row tiles dealt to the row groups in turn (``cyclic_rows``);
+- ``regsR``: that launch compiled under a cap of ``R`` registers per thread (``max_registers``), so
+  that more programs fit on a multiprocessor;
+- ``groupsG``: that launch with ``G`` row groups per column strip (evened out as the rules do);
 - ``NAME=PATH``: a copy of ``kernels/dact_dbias_quantize.py`` (as ``kernel_revisions.py`` loads them)
   whose row-groups kernel stands in for the shipped one;
 - forms joined by ``+`` combine: ``early=/tmp/early.py+in_turn``.
@@ -50,6 +53,8 @@ class Form:
     kernel: object = SHIPPED_KERNEL
     loop_stages: int | None = None
     in_turn: bool = False
+    max_registers: int | None = None
+    groups: int | None = None
 
 
 def parse_form(spec: str, sources: dict) -> Form:
@@ -62,14 +67,19 @@ def parse_form(spec: str, sources: dict) -> Form:
             form = dataclasses.replace(form, in_turn=True)
         elif part.startswith("stages") and part[6:].isdigit() and int(part[6:]) >= 1:
             form = dataclasses.replace(form, loop_stages=int(part[6:]))
+        elif part.startswith("regs") and part[4:].isdigit() and int(part[4:]) >= 24:
+            form = dataclasses.replace(form, max_registers=int(part[4:]))
+        elif part.startswith("groups") and part[6:].isdigit() and int(part[6:]) >= 1:
+            form = dataclasses.replace(form, groups=int(part[6:]))
         elif "=" in part:
             name, path = part.split("=", 1)
             if path not in sources:
                 sources[path] = load_source(name, path)._dact_dbias_quantize_kernel
             form = dataclasses.replace(form, name=spec.replace(f"={path}", ""), kernel=sources[path])
         else:
-            raise ValueError(f"--form {spec!r}: expected shipped, stagesK (K >= 1), in_turn or NAME=PATH (a copy of "
-                             f"kernels/dact_dbias_quantize.py), joined by '+'; got {part!r}")
+            raise ValueError(f"--form {spec!r}: expected shipped, stagesK (K >= 1), in_turn, regsR (R >= 24), groupsG "
+                             f"(G >= 1) or NAME=PATH (a copy of kernels/dact_dbias_quantize.py), joined by '+'; "
+                             f"got {part!r}")
     return form
 
 
@@ -78,7 +88,8 @@ def using(form: Form):
     """Every fused launch inside runs ``form``: its kernel, and the rules' pick changed as it says."""
     fused_module._dact_dbias_quantize_kernel = form.kernel
     try:
-        with row_groups_changed(cyclic_rows=True if form.in_turn else None, loop_stages=form.loop_stages):
+        with row_groups_changed(cyclic_rows=True if form.in_turn else None, loop_stages=form.loop_stages,
+                                max_registers=form.max_registers, groups=form.groups):
             yield
     finally:
         fused_module._dact_dbias_quantize_kernel = SHIPPED_KERNEL
@@ -124,7 +135,8 @@ def compare(forms, m, n, dname, rounds, copy_gbps, device):
     for form in forms:
         cfg, t = configs[form.name], median[form.name]
         rows.append(dict(form=form.name, M=m, N=n, dtype=dname, groups=cfg.row_groups(m)[1],
-                         loop_stages=cfg.loop_stages, prefetch=cfg.prefetch, in_turn=cfg.cyclic_rows, ms=t,
+                         loop_stages=cfg.loop_stages, prefetch=cfg.prefetch, in_turn=cfg.cyclic_rows,
+                         max_registers=cfg.max_registers, ms=t,
                          vs_first=first / t, vs_eager=median["eager"] / t, vs_compile=median["compile"] / t,
                          frac_copy=m * n * (2 * grad.element_size() + 2) / t / 1e6 / copy_gbps,
                          eager_ms=median["eager"], compile_ms=median["compile"],
@@ -135,7 +147,7 @@ def compare(forms, m, n, dname, rounds, copy_gbps, device):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--form", action="append", help="shipped, stagesK, in_turn, NAME=PATH or a '+' of them "
+    parser.add_argument("--form", action="append", help="shipped, stagesK, in_turn, regsR, groupsG, NAME=PATH or a '+' of them "
                         "(repeatable; the first is the one the others are compared with; default: shipped)")
     parser.add_argument("--sizes", help="MxN,... (default: 16384x6400; 132x96 on CPU)")
     parser.add_argument("--dtypes", default="bf16,fp16", help=f"comma-separated: {', '.join(DTYPES)}")
@@ -158,8 +170,8 @@ def main():
     for (m, n), dname in ((size, d) for size in sizes for d in dtypes):
         rows += compare(forms, m, n, dname, args.rounds, copy_gbps, device)
         write_results(args.out, "fused_forms", rows, {"copy_GBps": copy_gbps})
-    print_table(rows, ["form", "M", "N", "dtype", "groups", "loop_stages", "in_turn", "ms", "vs_first", "vs_compile",
-                       "frac_copy", "compile_ms", "spread", "ok"])
+    print_table(rows, ["form", "M", "N", "dtype", "groups", "loop_stages", "in_turn", "max_registers", "ms", "vs_first",
+                       "vs_compile", "frac_copy", "compile_ms", "spread", "ok"])
     if not all(row["ok"] == "True" for row in rows):
         raise SystemExit("a form failed its checks (above)")
 

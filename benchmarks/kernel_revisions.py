@@ -84,7 +84,7 @@ def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str,
     """The launch for ``grid``: ``shipped`` (the installed library's rule, its tiles), ``tK`` (``K`` row
     tiles per program) or ``pK`` (the shipped rules' fewest whole waves filled to 85% at ``K`` programs per
     multiprocessor, none over 8192 rows), with the shipped tiles or ``tiles`` = (block_m, block_n,
-    warps, loop stages, prefetch[, register cap: the queued form only])."""
+    warps, loop stages, prefetch[, register cap per thread])."""
     shipped = launch_config(pass_name, m, n, device, dtype)
     if tiles is None:
         tiles = (shipped.block_m, shipped.block_n, shipped.num_warps, shipped.loop_stages, int(shipped.prefetch))
@@ -109,7 +109,7 @@ def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str,
     else:
         rule = LaunchRule(block_m, block_n, warps, stages, int(count), True, prefetch=bool(prefetch),
                           max_rows_per_program=8192)
-    return _pick_config(m, n, device, rule)
+    return dataclasses.replace(_pick_config(m, n, device, rule), max_registers=registers)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -235,7 +235,7 @@ def main():
                         "waves of K programs per multiprocessor) or qKcC (the queued form: K programs per "
                         "multiprocessor taking chunks of C row tiles), comma-separated")
     parser.add_argument("--tiles", action="append", help="block_m,block_n,warps,loop_stages,prefetch[,register cap] for "
-                        "the tK, pK and qKcC grids (repeatable; default: the shipped launch's; the cap applies to qKcC)")
+                        "the tK, pK and qKcC grids (repeatable; default: the shipped launch's)")
     parser.add_argument("--public", action="store_true", help="also time the installed package's own function "
                         "(outputs allocated per call, its shipped launch) as a source named 'public', in the shipped grid")
     parser.add_argument("--scale", type=float, help="the FP8 scale (default: 2048 for the gradients' passes, 32 for "

@@ -38,6 +38,19 @@ def test_each_form_is_checked_and_runs_the_row_order_it_names(tmp_path):
     assert int(rows["shipped"]["groups"]) >= 2  # else dealing tiles in turn would change nothing
 
 
+def test_the_register_cap_and_group_count_forms_run_the_grid_they_name(tmp_path):
+    # 132 rows are 9 row tiles in the interpreter's 16-row tiles: 4 groups take 3 tiles each, which
+    # leaves the fourth empty, so the count is evened out to 3 groups as the rules do.
+    result = _run(tmp_path, "shipped", "regs96+groups4", "groups9")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with open(tmp_path / "out" / "fused_forms.csv") as f:
+        rows = {row["form"]: row for row in csv.DictReader(f)}
+    assert all(row["ok"] == "True" for row in rows.values())
+    assert (rows["regs96+groups4"]["groups"], rows["regs96+groups4"]["max_registers"]) == ("3", "96")
+    assert (rows["groups9"]["groups"], rows["groups9"]["max_registers"]) == ("9", "0")
+    assert rows["shipped"]["groups"] not in ("3", "9")
+
+
 def test_a_copy_with_a_wrong_transposed_byte_is_flagged(tmp_path):
     source = Path(shipped.__file__).read_text()
     old = "words = c0 | (c1 << 8)"
@@ -50,9 +63,9 @@ def test_a_copy_with_a_wrong_transposed_byte_is_flagged(tmp_path):
     assert "CHECK FAILED shipped" not in result.stdout
 
 
-@pytest.mark.parametrize("form", ["stages0", "in-turn", "shipped+fast"])
+@pytest.mark.parametrize("form", ["stages0", "in-turn", "shipped+fast", "regs8", "groups0"])
 def test_a_form_it_does_not_know_is_refused_by_name(tmp_path, form):
     result = _run(tmp_path, form)
     assert result.returncode != 0
     assert f"--form {form!r}" in result.stderr
-    assert "expected shipped, stagesK (K >= 1), in_turn or NAME=PATH" in result.stderr
+    assert "expected shipped, stagesK (K >= 1), in_turn, regsR (R >= 24), groupsG (G >= 1) or NAME=PATH" in result.stderr

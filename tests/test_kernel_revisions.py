@@ -118,3 +118,16 @@ def test_the_fused_pass_is_checked_against_the_activation_asked_for(tmp_path):
     refused = _run_public(tmp_path, f"shipped={shipped.__file__}", "--activation", "swish")
     assert refused.returncode != 0
     assert "invalid choice: 'swish'" in refused.stderr and "silu" in refused.stderr
+
+
+@pytest.mark.parametrize("grid", ["p3", "t2", "q3c4"])
+def test_a_register_cap_in_the_tiles_reaches_the_launch_of_every_grid_kind(grid, monkeypatch):
+    import torch
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    kernel_revisions = importlib.import_module("kernel_revisions")
+    device = torch.device("cpu")
+    capped = kernel_revisions.grid_config("dact_dbias_quantize", 256, 96, device, grid, (64, 64, 4, 0, 1, 80))
+    uncapped = kernel_revisions.grid_config("dact_dbias_quantize", 256, 96, device, grid, (64, 64, 4, 0, 1))
+    assert (capped.max_registers, uncapped.max_registers) == (80, 0)
+    assert capped.groups == uncapped.groups  # the cap changes nothing else

@@ -56,16 +56,16 @@ def fp8_encoder(t: torch.Tensor) -> int:
     return ENCODERS[choice] if device_has_fp8(t.device) else 0
 
 
-_DEVICES: dict[int, tuple[tuple[int, int], int]] = {}  # index -> (compute capability, multiprocessors)
+_DEVICES: dict[int, tuple[tuple[int, int], int, str]] = {}  # index -> (compute capability, multiprocessors, name)
 
 
-def _device_info(device: torch.device) -> tuple[tuple[int, int], int]:
+def _device_info(device: torch.device) -> tuple[tuple[int, int], int, str]:
     """Cached per CUDA device: asked on every launch and every FP8 forward. A plain dict, which
     ``torch.compile`` reads as a constant (it warns about ``lru_cache``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _DEVICES:
         props = torch.cuda.get_device_properties(index)
-        _DEVICES[index] = ((props.major, props.minor), props.multi_processor_count)
+        _DEVICES[index] = ((props.major, props.minor), props.multi_processor_count, props.name)
     return _DEVICES[index]
 
 
@@ -227,10 +227,12 @@ class LaunchRule:
     min_waves: int = 0
     max_rows_per_program: int = 0
     chunk_tiles: int = 0  # LaunchConfig.chunk_tiles: the queued form, one program per slot
-    # The queued form only for inputs of these dtypes (in the interpreter too) and where its chunks
-    # number at least ``min_chunks_per_slot`` per slot (on a GPU); elsewhere the ``alternative`` rule.
-    # Few chunks per program leave the last ones' programs a long tail.
+    # The queued form only for inputs of these dtypes, on the GPUs whose name holds one of
+    # ``queued_devices`` (empty: every GPU, and the interpreter too), and where its chunks number at
+    # least ``min_chunks_per_slot`` per slot (on a GPU); elsewhere the ``alternative`` rule. Few chunks
+    # per program leave the last ones' programs a long tail.
     queued_dtypes: tuple = ()
+    queued_devices: tuple = ()
     min_chunks_per_slot: int = 0
     cyclic_max_groups: int = 0
 
@@ -268,13 +270,14 @@ _MAX_WAVES = 4
 # 0.96x / 0.99x at 8192x1024 (16 and 32 groups). (Over several waves the bias gradient's pass was
 # 1.04-1.06x faster too, but 17% slower at 16384x16384 in an earlier round: not taken there.)
 # The fused pass's queued form (LaunchConfig.chunk_tiles: one program per slot, each taking chunks of
-# four 64-row tiles of one strip from a queue as it frees up) is a rule option that no shipped rule
-# takes (``queued_dtypes`` empty): 4-6% faster than the row groups on an H100 at 16384x6400 and
-# larger, it was 6-7% slower on the H200 these rules are set for (0.180 against 0.169 ms at
-# 16384x6400, 0.457 against 0.420 at 32768x8192, 0.455 against 0.429 at 16384x16384: BENCHMARKS.md).
+# four 64-row tiles of one strip from a queue as it frees up) is taken on H100s only
+# (``queued_devices``): there it is 2.5-8.2% faster than the row groups at 16384x6400 and larger with
+# bf16 and fp16 inputs, tanh GELU and quick GELU alike; on the H200 the other rules are set for it was
+# 6-7% slower (0.180 against 0.169 ms at 16384x6400, 0.457 against 0.420 at 32768x8192, 0.455
+# against 0.429 at 16384x16384: BENCHMARKS.md). Only the H100 80GB HBM3 (SXM) was measured.
 LAUNCH_RULES: dict[str, LaunchRule] = {
     "dact_dbias_quantize": LaunchRule(64, 64, 4, 0, 3, True, prefetch=True, chunk_tiles=4,
-                                      queued_dtypes=(),
+                                      queued_dtypes=(torch.bfloat16, torch.float16), queued_devices=("H100",),
                                       min_chunks_per_slot=8,
                                       alternative=LaunchRule(64, 64, 4, 0, 3, True, prefetch=True,
                                                              max_rows_per_program=8192, cyclic_max_groups=8,
@@ -315,7 +318,7 @@ def row_groups_rule(rule: LaunchRule) -> LaunchRule:
 def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule,
                  dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     if rule.chunk_tiles:
-        if dtype in rule.queued_dtypes:
+        if dtype in rule.queued_dtypes and _queued_here(device, rule):
             config, enough = _queued_config(m, n, device, rule)
             if enough:
                 return config
@@ -326,6 +329,14 @@ def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule,
         if other_fill > fill:
             return other
     return config
+
+
+def _queued_here(device: torch.device, rule: LaunchRule) -> bool:
+    """Whether ``rule``'s queued form is taken on ``device``: every device where the rule names none,
+    else the GPUs whose name holds one of ``queued_devices`` (not the interpreter)."""
+    if not rule.queued_devices:
+        return True
+    return device.type == "cuda" and any(name in _device_info(device)[2] for name in rule.queued_devices)
 
 
 # Interpreter launches: small tiles (block_m, block_n, warps) and few slots (multiprocessors, programs

@@ -12,8 +12,8 @@ Two forms of the pass: row groups (each program walks one column strip over a fi
 ``_dact_dbias_quantize_kernel``) and the queued form (one program per slot of the card taking chunks
 of a few row tiles of one strip from a queue as it frees up; ``_dact_dbias_quantize_queued_kernel``,
 ``LaunchConfig.chunk_tiles``). Each chunk or row group stores one row of bias-gradient partials.
-The launch rules (``_launch.LAUNCH_RULES``) take the row groups: the queued form, faster on an
-H100, was slower on the H200 they are set for (BENCHMARKS.md).
+The launch rules (``_launch.LAUNCH_RULES``) take the queued form on H100s at large shapes, where it
+is the faster, and the row groups elsewhere: on an H200 the queued form was slower (BENCHMARKS.md).
 
 Also here: ``dbias_quantize`` (no activation term: the backward of a plain FP8 linear with bias),
 and the current-scaling variant, which takes two passes because the scale depends on this

@@ -625,12 +625,13 @@ def test_every_bias_act_launch_configuration_gives_the_same_bits(config):
     assert amax.item() == expected[0].float().abs().max().item()
 
 
+@pytest.mark.parametrize("card", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
 @pytest.mark.parametrize("m,n", [(16384, 6400), (32768, 8192), (8192, 3072), (16384, 16384), (100, 64), (16384, 100000)])
-def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m, n):
+def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m, n, card):
     # The CUDA branch of the grid choice, with the device's answer faked: 132 multiprocessors.
     from lightning_fuse.kernels import _launch
 
-    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132, card))
     _launch._CONFIGS.clear()
     cuda = torch.device("cuda", 0)
     try:
@@ -643,7 +644,7 @@ def test_launch_grid_fills_the_gpu_and_whole_waves_never_overflow(monkeypatch, m
                     assert chunks >= rule.min_chunks_per_slot * cfg.groups
                     continue
                 assert (chunks < rule.min_chunks_per_slot * 132 * rule.programs_per_sm
-                        or torch.bfloat16 not in rule.queued_dtypes)
+                        or torch.bfloat16 not in rule.queued_dtypes or "H100" not in card)
                 rule = rule.alternative
             if rule.alternative is not None and cfg.loop_stages == rule.alternative.loop_stages:
                 rule = rule.alternative
@@ -689,7 +690,7 @@ def test_passes_without_a_bias_gradient_give_each_program_a_few_tiles_where_that
     # forward activation (5 per SM) in programs of four 32-row tiles: 4.7 and 1.2 waves.
     from lightning_fuse.kernels import _launch
 
-    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132, "NVIDIA H200"))
     _launch._CONFIGS.clear()
     try:
         for name, tiles, per_sm in (("quantize", 2, 4), ("bias_act", 4, 5)):
@@ -722,7 +723,7 @@ def test_backward_passes_add_a_wave_where_one_wave_of_programs_would_walk_over_8
     # it stays one wave.
     from lightning_fuse.kernels import _launch
 
-    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132, "NVIDIA H200"))
     _launch._CONFIGS.clear()
     rule = _launch.row_groups_rule(_launch.LAUNCH_RULES[name])  # the fused pass's queued form aside
     try:
@@ -745,7 +746,7 @@ def test_backward_passes_deal_row_tiles_in_turn_where_one_wave_holds_at_most_8_r
     # deal in turn (their grids are the tests' own).
     from lightning_fuse.kernels import _launch
 
-    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132, "NVIDIA H200"))
     rule = _launch.LAUNCH_RULES["dbias_quantize"]
     assert rule.cyclic_max_groups == 8
     cfg = _launch._pick_config(m, n, torch.device("cuda", 0), rule)
@@ -769,7 +770,7 @@ def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slo
     # one (5 x 100 on 528); at the other sizes the prefetching form fills 97% and is kept.
     from lightning_fuse.kernels import _launch
 
-    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132, "NVIDIA H200"))
     _launch._CONFIGS.clear()
     try:
         rule = _launch.row_groups_rule(_launch.LAUNCH_RULES["dact_dbias_quantize"])
@@ -784,27 +785,34 @@ def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slo
 
 @pytest.mark.parametrize("m,n,queued", [(16384, 6400, True), (32768, 8192, True), (16384, 16384, True),
                                         (8192, 6400, True), (8192, 3072, False), (2048, 768, False)])
-def test_a_queued_rule_takes_its_queued_form_for_its_dtypes_where_each_slot_gets_eight_chunks(monkeypatch, m, n,
-                                                                                             queued):
+def test_the_fused_pass_takes_its_queued_form_on_h100s_where_each_slot_gets_eight_chunks(monkeypatch, m, n, queued):
     # 132 multiprocessors, 3 programs each: 396 slots. Chunks of four 64-row tiles of one 64-column
     # strip: 100 x 64 = 6400 at 16384x6400 (16 per slot), 100 x 32 = 3200 at 8192x6400 (8.1), 48 x 32 =
-    # 1536 at 8192x3072 (3.9: the row groups instead). The shipped rule lists no dtype (the queued form
-    # was slower on an H200): it never takes the form, on a GPU or in the interpreter.
+    # 1536 at 8192x3072 (3.9: the row groups instead). The shipped rule takes the form for bf16 and
+    # fp16 inputs on H100s (faster there) and nowhere else: not on an H200 (slower there), not in the
+    # interpreter, whose launches follow the H200's; a rule that names no device takes it everywhere.
     from lightning_fuse.kernels import _launch
 
-    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132))
-    cuda = torch.device("cuda", 0)
+    card = {}
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132, card["name"]))
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     shipped = _launch.LAUNCH_RULES["dact_dbias_quantize"]
-    rule = dataclasses.replace(shipped, queued_dtypes=(torch.bfloat16, torch.float16))
+    assert shipped.queued_devices == ("H100",)
+    everywhere = dataclasses.replace(shipped, queued_devices=())
+    for name, takes in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA H100 PCIe", True), ("NVIDIA H200", False),
+                        ("NVIDIA GH200 480GB", False), ("NVIDIA A100-SXM4-80GB", False)):
+        card["name"] = name
+        for dtype in (torch.bfloat16, torch.float16):
+            cfg = _launch._pick_config(m, n, cuda, shipped, dtype)
+            assert (cfg.chunk_tiles == 4 and cfg.groups == 396) == (queued and takes), (name, cfg)
+            assert cfg.chunk_tiles == 0 or cfg.prefetch
+            assert _launch._pick_config(m, n, cuda, everywhere, dtype).chunk_tiles == (4 if queued else 0)
+        assert _launch._pick_config(m, n, cuda, shipped, torch.float32).chunk_tiles == 0
+        assert _launch._pick_config(m, n, cuda, everywhere, torch.float32).chunk_tiles == 0
+        assert _launch._pick_config(m, n, cuda, _launch.LAUNCH_RULES["dbias_quantize"], torch.bfloat16).chunk_tiles == 0
     for dtype in (torch.bfloat16, torch.float16):
-        cfg = _launch._pick_config(m, n, cuda, rule, dtype)
-        assert (cfg.chunk_tiles == 4 and cfg.groups == 396) == queued, cfg
-        assert cfg.chunk_tiles == 0 or cfg.prefetch
-        assert _launch._pick_config(m, n, cuda, shipped, dtype).chunk_tiles == 0
-        assert _launch._pick_config(m, n, torch.device("cpu"), shipped, dtype).chunk_tiles == 0
-        assert _launch._pick_config(m, n, torch.device("cpu"), rule, dtype).chunk_tiles == 2  # any number there
-    assert _launch._pick_config(m, n, cuda, rule, torch.float32).chunk_tiles == 0
-    assert _launch.launch_config("dbias_quantize", m, n, cuda, torch.bfloat16).chunk_tiles == 0
+        assert _launch._pick_config(m, n, cpu, shipped, dtype).chunk_tiles == 0
+        assert _launch._pick_config(m, n, cpu, everywhere, dtype).chunk_tiles == 2  # any number there
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", None])

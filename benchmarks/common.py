@@ -77,9 +77,8 @@ def row_groups_changed(cyclic_rows: bool | None = None, loop_stages: int | None 
             cfg = dataclasses.replace(cfg, loop_stages=loop_stages)
         if max_registers is not None:
             cfg = dataclasses.replace(cfg, max_registers=max_registers)
-        if groups is not None:
-            cfg = dataclasses.replace(cfg, groups=groups)
-            cfg = dataclasses.replace(cfg, groups=cfg.row_groups(m)[1])  # no empty group
+        if groups is not None:  # evened out: no empty group
+            cfg = dataclasses.replace(cfg, groups=dataclasses.replace(cfg, groups=groups).row_groups(m)[1])
         return cfg
 
     launch._pick_config = changed

@@ -99,17 +99,19 @@ def grid_config(pass_name: str, m: int, n: int, device: torch.device, grid: str,
             raise ValueError(f"grid {grid!r}: expected qKcC (the queued form: K programs per multiprocessor, "
                              f"chunks of C row tiles), K, C >= 1")
         rule = LaunchRule(block_m, block_n, warps, 0, int(programs), True, chunk_tiles=int(chunk))
-        return dataclasses.replace(_queued_config(m, n, device, rule)[0], max_registers=registers)
-    if kind not in ("t", "p") or not count.isdigit() or int(count) < 1:
+        config = _queued_config(m, n, device, rule)[0]
+    elif kind in ("t", "p") and count.isdigit() and int(count) >= 1:
+        if kind == "t":
+            rule = LaunchRule(block_m, block_n, warps, stages, 1, True, prefetch=bool(prefetch),
+                              tiles_per_program=int(count), min_waves=0)
+        else:
+            rule = LaunchRule(block_m, block_n, warps, stages, int(count), True, prefetch=bool(prefetch),
+                              max_rows_per_program=8192)
+        config = _pick_config(m, n, device, rule)
+    else:
         raise ValueError(f"grid {grid!r}: expected 'shipped', tK (K row tiles per program), pK (whole waves of K "
                          f"programs per multiprocessor) or qKcC (the queued form), K >= 1")
-    if kind == "t":
-        rule = LaunchRule(block_m, block_n, warps, stages, 1, True, prefetch=bool(prefetch),
-                          tiles_per_program=int(count), min_waves=0)
-    else:
-        rule = LaunchRule(block_m, block_n, warps, stages, int(count), True, prefetch=bool(prefetch),
-                          max_rows_per_program=8192)
-    return dataclasses.replace(_pick_config(m, n, device, rule), max_registers=registers)
+    return dataclasses.replace(config, max_registers=registers)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -33,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lightning_fuse.kernels._launch import LAUNCH_RULES
+from lightning_fuse.kernels._launch import DEFAULT_ENCODER, ENCODERS, LAUNCH_RULES
 from lightning_fuse.kernels.bias_act import _bias_act_kernel
 from lightning_fuse.kernels.dact_dbias_quantize import _dact_dbias_quantize_kernel, _dact_dbias_quantize_queued_kernel
 
@@ -60,7 +60,7 @@ def _dact_case(pass_name, activation, bytes_per_element, alternative=False):
     constants = dict(ACTIVATION=activation, FP8_FORMAT=2 if pass_name != "quantize" else 1, STORE_OUT=True,
                      TRANSPOSE=True, COMPUTE_DBIAS=pass_name != "quantize",
                      FINISH_DBIAS=pass_name != "quantize", DBIAS_BF16=pass_name != "quantize", COMPUTE_AMAX=True,
-                     SCALE_FROM_AMAX=False, ENCODER=1, PACK_T=True,
+                     SCALE_FROM_AMAX=False, ENCODER=ENCODERS[DEFAULT_ENCODER], PACK_T=True,
                      LOOP_STAGES=rule.loop_stages or None, CYCLIC_ROWS=False, PREFETCH=rule.prefetch, INDEX_64=False,
                      BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return (_dact_dbias_quantize_kernel, _DACT_ARGS, _DACT_TYPES, {"stride_grad_n": 1, "stride_pre_n": 1},
@@ -75,6 +75,12 @@ def _queued_case(activation):
             dict(constants, DYNAMIC=True), warps, nbytes)
 
 
+def with_encoder(case, encoder: str):
+    """``case`` built with FP8 encoder ``encoder`` (a name of ``_launch.ENCODERS``)."""
+    kernel, names, types, unit_strides, constants, warps, nbytes = case
+    return kernel, names, types, unit_strides, dict(constants, ENCODER=ENCODERS[encoder]), warps, nbytes
+
+
 def with_inputs(case, dtype: str):
     """``case`` built for ``dtype`` inputs (``"bf16"``, ``"fp16"``, ``"fp32"``) instead of bf16 ones."""
     kernel, names, types, unit_strides, constants, warps, nbytes = case
@@ -86,7 +92,7 @@ def with_inputs(case, dtype: str):
 def _bias_act_case(activation=2):
     rule = LAUNCH_RULES["bias_act"]
     constants = dict(ACTIVATION=activation, HAS_BIAS=False, STORE_PRE=False, STORE_Y=True, FP8_FORMAT=1, TRANSPOSE=True,
-                     COMPUTE_AMAX=True, ENCODER=1, LOOP_STAGES=rule.loop_stages or None,
+                     COMPUTE_AMAX=True, ENCODER=ENCODERS[DEFAULT_ENCODER], LOOP_STAGES=rule.loop_stages or None,
                      CYCLIC_ROWS=False, PREFETCH=rule.prefetch, INDEX_64=False, BLOCK_M=rule.block_m, BLOCK_N=rule.block_n)
     return _bias_act_kernel, _BIAS_ACT_ARGS, _BIAS_ACT_TYPES, {"stride_h_n": 1}, constants, rule.num_warps, 6
 
@@ -249,10 +255,13 @@ def main():
     parser.add_argument("--only", help="analyse only the kernels whose name contains this")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON to this file")
     parser.add_argument("--inputs", default="bf16", help="input dtypes, comma-separated: bf16, fp16, fp32")
+    parser.add_argument("--encoder", choices=sorted(ENCODERS), default=DEFAULT_ENCODER,
+                        help="the FP8 encoder the kernels are built with (kernels/_launch.py's ENCODERS)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("kernel_isa.py compiles for a GPU target: run it without TRITON_INTERPRET=1")
-    rows = [analyse(name if dtype == "bf16" else f"{name}, {dtype}", with_inputs(case, dtype), args.copy_gbps,
+    rows = [analyse(name if dtype == "bf16" else f"{name}, {dtype}", with_encoder(with_inputs(case, dtype), args.encoder),
+                    args.copy_gbps,
                     args.sms, args.clock_ghz, args.dump)
             for name, case in CASES.items() if args.only is None or args.only in name
             for dtype in args.inputs.split(",")]

@@ -29,6 +29,7 @@ __all__ = [
     "row_groups_rule",
     "needs_index_64",
     "row_loop",
+    "DEFAULT_ENCODER",
     "ENCODERS",
     "fp8_encoder",
     "use_triton",
@@ -37,20 +38,22 @@ __all__ = [
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-ENCODERS = {"int": 0, "ptx": 1, "ptx4": 2}  # the kernels' ENCODER constexpr (fp8.py's fp8_codes)
+ENCODERS = {"int": 0, "ptx": 1, "ptx4": 2, "tile": 3}  # the kernels' ENCODER constexpr (fp8.py's fp8_codes)
+DEFAULT_ENCODER = "ptx"
 
 
 def fp8_encoder(t: torch.Tensor) -> int:
     """How kernels encode FP8 for ``t``'s device: integer arithmetic (0; the interpreter, GPUs before
-    compute capability 8.9) or the hardware conversion, one value per instruction (1, the default)
-    or four values per three instructions (2).
+    compute capability 8.9) or the hardware conversion: one value per instruction (1), four values
+    per three instructions (2), or (3) where a pass stores a tile's codes both row-wise and as the
+    transposed copy's words, both layouts at once (fp8.py's ``fp8_tile_codes``; elsewhere as 1).
 
-    ``LIGHTNING_FUSE_FP8_ENCODER=int|ptx|ptx4`` picks one on GPUs (tests/test_gpu.py checks the hardware
-    ones against the integer encoder bit for bit).
+    ``LIGHTNING_FUSE_FP8_ENCODER=int|ptx|ptx4|tile`` picks one on GPUs (tests/test_gpu.py checks the
+    hardware ones against the integer encoder bit for bit); ``DEFAULT_ENCODER`` without it.
     """
     if not t.is_cuda:
         return 0
-    choice = os.environ.get("LIGHTNING_FUSE_FP8_ENCODER", "ptx")
+    choice = os.environ.get("LIGHTNING_FUSE_FP8_ENCODER", DEFAULT_ENCODER)
     if choice not in ENCODERS:
         raise ValueError(f"LIGHTNING_FUSE_FP8_ENCODER must be one of {', '.join(ENCODERS)}; got {choice!r}")
     return ENCODERS[choice] if device_has_fp8(t.device) else 0

@@ -34,8 +34,8 @@ from torch.library import triton_op
 
 from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_margin, check_scale,
                       fp8_encoder, launch_config, launcher, needs_index_64, row_loop, use_triton)
-from .activations import act_derivative, activation_derivative_reference, activation_id, add_rounded
-from .fp8 import (FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format, pass_scale,
+from .activations import _PTX, act_derivative, activation_derivative_reference, activation_id, add_rounded
+from .fp8 import (FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format, fp8_tile_codes, pass_scale,
                   scale_from_amax_reference)
 
 __all__ = [
@@ -65,6 +65,21 @@ def _row_masks(r0, limit, mask_n):
 
 
 @triton.jit
+def _widen(x, WIDEN: tl.constexpr):
+    """Loaded ``x`` as fp32. With ``WIDEN`` (the ``tile`` encoder's builds) a bf16 pair in one
+    register widens in two instructions, a shift and a mask, where the compiler's conversion took
+    three (it moves the high half down, then shifts it back): the two-deep form's loop 23.3 -> 22.3
+    per element (kernel_isa.py). Only for values straight from a load: the prefetching loops carry
+    their tiles across iterations, and there the compiler packed the pairs again first (more
+    instructions, not fewer)."""
+    if _PTX and WIDEN and x.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _dx(grad, pre_act, ACTIVATION: tl.constexpr):
     """``dx`` (fp32) of loaded rows: ``grad * act'(pre_act)``, or ``grad`` without an activation."""
     if ACTIVATION != 0:
@@ -81,14 +96,14 @@ def _dx_sets(x0, x1, x2, x3, y0, y1, y2, y3, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _dx_rows(grad_ptr, pre_act_ptr, rows, offs_n, mask, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
-             ACTIVATION: tl.constexpr):
+             ACTIVATION: tl.constexpr, WIDEN: tl.constexpr):
     """``dx`` (fp32) of one set of rows, loaded here (``_dx``)."""
-    grad = tl.load(grad_ptr + rows[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
-                   mask=mask, other=0.0).to(tl.float32)
+    grad = _widen(tl.load(grad_ptr + rows[:, None] * stride_grad_m + offs_n[None, :] * stride_grad_n,
+                   mask=mask, other=0.0), WIDEN)
     pre_act = grad  # not read without an activation
     if ACTIVATION != 0:
-        pre_act = tl.load(pre_act_ptr + rows[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
-                          mask=mask, other=0.0).to(tl.float32)
+        pre_act = _widen(tl.load(pre_act_ptr + rows[:, None] * stride_pre_m + offs_n[None, :] * stride_pre_n,
+                          mask=mask, other=0.0), WIDEN)
     return _dx(grad, pre_act, ACTIVATION)
 
 
@@ -116,6 +131,12 @@ def store_packed_transpose(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_out
     ``M // 4``, not from the rows: the compiler sees those as contiguous and stores four words per
     instruction; from ``rows // 4`` it stored them one by one, 3.4 times slower (BENCHMARKS.md)."""
     words = c0 | (c1 << 8) | (c2 << 16) | (c3 << 24)
+    store_transposed_words(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_out_t_n, words)
+
+
+@triton.jit
+def store_transposed_words(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_out_t_n, words):
+    """``store_packed_transpose``'s store of the words themselves (rows ``m0 + 4 quarter + j`` in byte ``j``)."""
     word = m0 // 4 + quarter
     mask = (word < M // 4)[None, :] & mask_n[:, None]
     tl.store(out_t_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_out_t_n // 4) + word[None, :],
@@ -198,11 +219,11 @@ def _dact_dbias_quantize_kernel(
             # pipelined form compiles to 126 registers (4 programs per multiprocessor); with every grad
             # row set loaded first, to 152-154 (3).
             d0, d1, d2, d3 = _dx_tile(grad_ptr, pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m,
-                                      stride_grad_n, stride_pre_m, stride_pre_n, ACTIVATION)
+                                      stride_grad_n, stride_pre_m, stride_pre_n, ACTIVATION, ENCODER == 3)
         dbias_acc, amax_acc = _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M,
                                          stride_out_m, stride_out_t_n, d0, d1, d2, d3, dbias_acc, amax_acc, scale,
                                          FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, COMPUTE_DBIAS, COMPUTE_AMAX,
-                                         STORE_OUT)
+                                         STORE_OUT, ENCODER == 3)
     # The last tile: its inputs are in registers already with PREFETCH (loaded by the loop's last
     # iteration, or before the loop for a one-tile group).
     r0 = last + 4 * quarter
@@ -214,7 +235,7 @@ def _dact_dbias_quantize_kernel(
         d0, d1, d2, d3 = _dx_sets(g0, g1, g2, g3, y0, y1, y2, y3, ACTIVATION)
     else:
         d0, d1, d2, d3 = _dx_tile(grad_ptr, pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m, stride_grad_n,
-                                  stride_pre_m, stride_pre_n, ACTIVATION)
+                                  stride_pre_m, stride_pre_n, ACTIVATION, ENCODER == 3)
     if COMPUTE_DBIAS:
         dbias_acc += add_rounded(d0, d1) + add_rounded(d2, d3)
         # Arriving before the last tile's stores, the program's release waits only on the earlier
@@ -228,7 +249,7 @@ def _dact_dbias_quantize_kernel(
         tl.atomic_max(amax_ptr, amax_finish(amax_acc), sem="relaxed")
     if STORE_OUT:
         _store_tile(out_ptr, out_t_ptr, last, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m,
-                    stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+                    stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, ENCODER == 3)
 
 
 @triton.jit
@@ -315,10 +336,12 @@ def _dact_dbias_quantize_queued_kernel(
             g0, g1, g2, g3 = _load_rows(grad_ptr, n0, n_offs, q0, q1, q2, q3, stride_grad_m, stride_grad_n)
             if ACTIVATION != 0:
                 p0, p1, p2, p3 = _load_rows(pre_act_ptr, n0, n_offs, q0, q1, q2, q3, stride_pre_m, stride_pre_n)
+            # Codes per value (not fp8_tile_codes): with both layouts converted at once, ptxas gave a load of
+            # the fp16 quick-GELU build an exp's scoreboard again (kernel_isa.py's load_wait: 20).
             dbias_acc, amax_acc = _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M,
                                              stride_out_m, stride_out_t_n, d0, d1, d2, d3, dbias_acc, amax_acc, scale,
                                              FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, COMPUTE_DBIAS, COMPUTE_AMAX,
-                                             STORE_OUT)
+                                             STORE_OUT, False)
         # The next chunk's first tile is in flight: taking the chunk after it waits on the queue meanwhile.
         after = _take_chunk(queue_ptr, following, programs, DYNAMIC)
         if COMPUTE_DBIAS:
@@ -340,7 +363,7 @@ def _dact_dbias_quantize_queued_kernel(
 def _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m, stride_out_t_n,
                d0, d1, d2, d3, dbias_acc, amax_acc, scale, FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr,
                TRANSPOSE: tl.constexpr, PACK_T: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, COMPUTE_AMAX: tl.constexpr,
-               STORE_OUT: tl.constexpr):
+               STORE_OUT: tl.constexpr, TILE_CODES: tl.constexpr):
     """One tile's ``dx`` (row sets ``dj``) into the accumulators and the outputs (``_store_tile``):
     returns the bias-gradient and amax accumulators."""
     if COMPUTE_DBIAS:
@@ -349,32 +372,42 @@ def _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, 
         amax_acc = amax_update(amax_update(amax_update(amax_update(amax_acc, d0), d1), d2), d3)
     if STORE_OUT:
         _store_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m,
-                    stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)
+                    stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, TILE_CODES)
     return dbias_acc, amax_acc
 
 
 @triton.jit
 def _dx_tile(grad_ptr, pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m, stride_grad_n, stride_pre_m,
-             stride_pre_n, ACTIVATION: tl.constexpr):
+             stride_pre_n, ACTIVATION: tl.constexpr, WIDEN: tl.constexpr):
     """``dx`` (fp32) of the four row sets of the tile at rows ``r0``, each loaded here (``_dx_rows``)."""
     d0 = _dx_rows(grad_ptr, pre_act_ptr, r0, offs_n, k0, stride_grad_m, stride_grad_n, stride_pre_m, stride_pre_n,
-                  ACTIVATION)
+                  ACTIVATION, WIDEN)
     d1 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 1, offs_n, k1, stride_grad_m, stride_grad_n, stride_pre_m,
-                  stride_pre_n, ACTIVATION)
+                  stride_pre_n, ACTIVATION, WIDEN)
     d2 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 2, offs_n, k2, stride_grad_m, stride_grad_n, stride_pre_m,
-                  stride_pre_n, ACTIVATION)
+                  stride_pre_n, ACTIVATION, WIDEN)
     d3 = _dx_rows(grad_ptr, pre_act_ptr, r0 + 3, offs_n, k3, stride_grad_m, stride_grad_n, stride_pre_m,
-                  stride_pre_n, ACTIVATION)
+                  stride_pre_n, ACTIVATION, WIDEN)
     return d0, d1, d2, d3
 
 
 @triton.jit
 def _store_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m, stride_out_t_n,
                 d0, d1, d2, d3, scale, FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr, TRANSPOSE: tl.constexpr,
-                PACK_T: tl.constexpr):
+                PACK_T: tl.constexpr, TILE_CODES: tl.constexpr):
     """Stores the tile at rows ``m0`` (row sets ``r0 + j`` under masks ``kj`` hold ``dj``): its FP8 codes
     row-wise and transposed, or ``dx`` itself in ``out``'s dtype without an FP8 format."""
-    if FP8_FORMAT != 0:
+    if FP8_FORMAT != 0 and TRANSPOSE and PACK_T and TILE_CODES:
+        # Both layouts from the hardware conversion at once (fp8_tile_codes): the row sets' codes and
+        # the transposed copy's words, never an fp8-typed value (fp8.py says why).
+        q0, q1, q2, q3, words = fp8_tile_codes(d0 * scale, d1 * scale, d2 * scale, d3 * scale, FP8_FORMAT)
+        out_rows = out_ptr.to(tl.pointer_type(tl.uint8)) + offs_n[None, :]
+        tl.store(out_rows + r0[:, None] * stride_out_m, q0, mask=k0)
+        tl.store(out_rows + (r0 + 1)[:, None] * stride_out_m, q1, mask=k1)
+        tl.store(out_rows + (r0 + 2)[:, None] * stride_out_m, q2, mask=k2)
+        tl.store(out_rows + (r0 + 3)[:, None] * stride_out_m, q3, mask=k3)
+        store_transposed_words(out_t_ptr, m0, quarter, offs_n, mask_n, M, stride_out_t_n, words)
+    elif FP8_FORMAT != 0:
         # Integer codes, not fp8 values: see fp8.py for why the transposed copy needs it.
         c0 = store_codes(out_ptr, out_t_ptr, r0, offs_n, k0, stride_out_m, stride_out_t_n, d0, scale,
                          FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["FORMAT_DTYPES", "FP8Format", "FP8_FORMATS", "fp8_codes", "fp8_encode", "fp8_encode_ptx", "fp8_encode_ptx4", "fp8_format",
+           "fp8_tile_codes",
            "pass_scale", "quantize_reference", "scale_from_amax",
            "scale_from_amax_reference", "scale_quotient"]
 
@@ -119,14 +120,55 @@ def fp8_encode_ptx4(x, FP8_FORMAT: tl.constexpr):
             "=r,r,r,r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
 
 
+def _tile_asm(kind: str) -> str:
+    """``fp8_tile_codes``'s PTX for one FP8 kind (``e4m3`` or ``e5m2``). Operands, four elements per
+    instance: ``$0..$3`` the codes of row sets 0-3 (four bytes each, element ``k`` in byte ``k``),
+    ``$4..$7`` the words of elements 0-3 (row set ``j`` in byte ``j``), ``$8 + 4 j + k`` element ``k``
+    of row set ``j``. Each ``cvt`` converts two row sets of one element (the second operand into the
+    low byte); eight ``prmt`` then turn the four words into the four row sets' codes (a 4 x 4 byte
+    transpose)."""
+    cvt = f"cvt.rn.satfinite.{kind}x2.f32"
+    asm = ["{ .reg .b16 lo, hi; .reg .b32 s<4>;"]
+    for k in range(4):
+        asm.append(f"{cvt} lo, ${12 + k}, ${8 + k}; {cvt} hi, ${20 + k}, ${16 + k}; mov.b32 ${4 + k}, {{lo, hi}};")
+    asm.append("prmt.b32 s0, $4, $5, 0x5140; prmt.b32 s1, $4, $5, 0x7362;")  # w0.b0 w1.b0 w0.b1 w1.b1 / bytes 2, 3
+    asm.append("prmt.b32 s2, $6, $7, 0x5140; prmt.b32 s3, $6, $7, 0x7362;")
+    asm.append("prmt.b32 $0, s0, s2, 0x5410; prmt.b32 $1, s0, s2, 0x7632;")  # byte 0 of w0..w3 / byte 1
+    asm.append("prmt.b32 $2, s1, s3, 0x5410; prmt.b32 $3, s1, s3, 0x7632; }")
+    return " ".join(asm)
+
+
+_TILE_ASM_E4M3 = tl.constexpr(_tile_asm("e4m3"))
+_TILE_ASM_E5M2 = tl.constexpr(_tile_asm("e5m2"))
+
+
+@triton.jit
+def fp8_tile_codes(x0, x1, x2, x3, FP8_FORMAT: tl.constexpr):
+    """FP8 codes of four row sets ``x0..x3`` (fp32, one shape and layout) through the hardware
+    conversion (sm_89+), in both layouts a pass stores: each set's codes (uint8), and per element the
+    32-bit word of its four codes, set ``j`` in byte ``j`` (four consecutive rows of one column: a
+    word of the transposed copy). Two values per conversion and a byte transpose in registers:
+    about one instruction per element, where ``fp8_codes`` per value, masking and packing each
+    layout took 3.5 (BENCHMARKS.md). The codes are ``fp8_encode_ptx``'s, bit for bit."""
+    if FP8_FORMAT == 1:
+        return tl.inline_asm_elementwise(_TILE_ASM_E4M3, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                         [x0, x1, x2, x3], dtype=(tl.uint8, tl.uint8, tl.uint8, tl.uint8, tl.int32),
+                                         is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_TILE_ASM_E5M2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                         [x0, x1, x2, x3], dtype=(tl.uint8, tl.uint8, tl.uint8, tl.uint8, tl.int32),
+                                         is_pure=True, pack=4)
+
+
 @triton.jit
 def fp8_codes(x, FP8_FORMAT: tl.constexpr, ENCODER: tl.constexpr):
     """FP8 byte codes (int32 in 0..255) of fp32 ``x``; ``_launch.fp8_encoder`` picks ``ENCODER``:
-    integer arithmetic (0), the per-value hardware conversion (1) or the packed one (2). Callers
-    truncate to uint8 for stores and transpose the int32 form (fp8.py's module docstring)."""
+    integer arithmetic (0), the per-value hardware conversion (1; also 3, whose passes convert
+    through ``fp8_tile_codes`` where they can) or the packed one (2). Callers truncate to uint8 for
+    stores and transpose the int32 form (fp8.py's module docstring)."""
     if ENCODER == 2:
         return fp8_encode_ptx4(x, FP8_FORMAT).to(tl.int32)
-    elif ENCODER == 1:
+    elif ENCODER == 1 or ENCODER == 3:
         return fp8_encode_ptx(x, FP8_FORMAT)
     else:
         return fp8_encode(x, FP8_FORMAT)

@@ -481,12 +481,15 @@ def test_callback_trains_in_fp8_under_fsdp_and_ddp_on_one_gpu(tmp_path, strategy
 
 
 @pytest.mark.parametrize("fp8_dtype", [E5M2, E4M3])
-@pytest.mark.parametrize("encoder", ["ptx", "ptx4"])
-def test_hardware_encoders_match_the_integer_encoder_bit_for_bit(monkeypatch, fp8_dtype, encoder):
+@pytest.mark.parametrize("encoder", ["ptx", "ptx4", "tile"])
+@pytest.mark.parametrize("m", [4099, 4096])
+def test_hardware_encoders_match_the_integer_encoder_bit_for_bit(monkeypatch, fp8_dtype, encoder, m):
     """Every FP8 code, row-wise and transposed, from each hardware encoder equals the integer
-    encoder's (nearest-even, saturating), specials and subnormals included."""
+    encoder's (nearest-even, saturating), specials and subnormals included. With M a multiple of 4
+    the transposed copy is written as words, and ``tile`` converts both layouts at once (fp8.py's
+    ``fp8_tile_codes``); otherwise byte by byte, as ``ptx``."""
     torch.manual_seed(11)
-    m, n = 4099, 1000
+    n = 1000
     grad = torch.randn(m, n, device="cuda") * torch.logspace(-12, 6, n, device="cuda")
     grad[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, 6e4, -1e9])
     pre = torch.randn(m, n, device="cuda") * 3

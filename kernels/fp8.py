@@ -140,6 +140,7 @@ def _tile_asm(kind: str) -> str:
 
 _TILE_ASM_E4M3 = tl.constexpr(_tile_asm("e4m3"))
 _TILE_ASM_E5M2 = tl.constexpr(_tile_asm("e5m2"))
+_TILE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 16))  # 4 + 4 outputs, 16 inputs
 
 
 @triton.jit
@@ -151,11 +152,11 @@ def fp8_tile_codes(x0, x1, x2, x3, FP8_FORMAT: tl.constexpr):
     about one instruction per element, where ``fp8_codes`` per value, masking and packing each
     layout took 3.5 (BENCHMARKS.md). The codes are ``fp8_encode_ptx``'s, bit for bit."""
     if FP8_FORMAT == 1:
-        return tl.inline_asm_elementwise(_TILE_ASM_E4M3, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        return tl.inline_asm_elementwise(_TILE_ASM_E4M3, _TILE_CONSTRAINTS,
                                          [x0, x1, x2, x3], dtype=(tl.uint8, tl.uint8, tl.uint8, tl.uint8, tl.int32),
                                          is_pure=True, pack=4)
     else:
-        return tl.inline_asm_elementwise(_TILE_ASM_E5M2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        return tl.inline_asm_elementwise(_TILE_ASM_E5M2, _TILE_CONSTRAINTS,
                                          [x0, x1, x2, x3], dtype=(tl.uint8, tl.uint8, tl.uint8, tl.uint8, tl.int32),
                                          is_pure=True, pack=4)
 

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from ._launch import (FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_margin, check_scale,
-                      fp8_encoder, launch_config, launcher, needs_index_64, row_loop, use_triton)
+from ._launch import (ENCODERS, FLOAT_DTYPES, LaunchConfig, as_rows, check_amax, check_float_tensor, check_margin,
+                      check_scale, fp8_encoder, launch_config, launcher, needs_index_64, row_loop, use_triton)
 from .activations import _PTX, act_derivative, activation_derivative_reference, activation_id, add_rounded
 from .fp8 import (FORMAT_DTYPES, amax_finish, amax_update, fp8_codes, fp8_format, fp8_tile_codes, pass_scale,
                   scale_from_amax_reference)
@@ -55,6 +55,11 @@ def _load_rows(ptr, r0, offs_n, k0, k1, k2, k3, stride_m, stride_n):
     t2 = tl.load(base + (r0 + 2)[:, None] * stride_m, mask=k2, other=0.0)
     t3 = tl.load(base + (r0 + 3)[:, None] * stride_m, mask=k3, other=0.0)
     return t0, t1, t2, t3
+
+
+# The encoder whose builds convert a tile's codes in both layouts at once (fp8_tile_codes) and widen
+# the two-deep form's loaded bf16 pairs in two instructions (_widen).
+_TILE_ENCODER = tl.constexpr(ENCODERS["tile"])
 
 
 @triton.jit
@@ -219,11 +224,11 @@ def _dact_dbias_quantize_kernel(
             # pipelined form compiles to 126 registers (4 programs per multiprocessor); with every grad
             # row set loaded first, to 152-154 (3).
             d0, d1, d2, d3 = _dx_tile(grad_ptr, pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m,
-                                      stride_grad_n, stride_pre_m, stride_pre_n, ACTIVATION, ENCODER == 3)
+                                      stride_grad_n, stride_pre_m, stride_pre_n, ACTIVATION, ENCODER == _TILE_ENCODER)
         dbias_acc, amax_acc = _take_tile(out_ptr, out_t_ptr, m0, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M,
                                          stride_out_m, stride_out_t_n, d0, d1, d2, d3, dbias_acc, amax_acc, scale,
                                          FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, COMPUTE_DBIAS, COMPUTE_AMAX,
-                                         STORE_OUT, ENCODER == 3)
+                                         STORE_OUT, ENCODER == _TILE_ENCODER)
     # The last tile: its inputs are in registers already with PREFETCH (loaded by the loop's last
     # iteration, or before the loop for a one-tile group).
     r0 = last + 4 * quarter
@@ -235,7 +240,7 @@ def _dact_dbias_quantize_kernel(
         d0, d1, d2, d3 = _dx_sets(g0, g1, g2, g3, y0, y1, y2, y3, ACTIVATION)
     else:
         d0, d1, d2, d3 = _dx_tile(grad_ptr, pre_act_ptr, r0, offs_n, k0, k1, k2, k3, stride_grad_m, stride_grad_n,
-                                  stride_pre_m, stride_pre_n, ACTIVATION, ENCODER == 3)
+                                  stride_pre_m, stride_pre_n, ACTIVATION, ENCODER == _TILE_ENCODER)
     if COMPUTE_DBIAS:
         dbias_acc += add_rounded(d0, d1) + add_rounded(d2, d3)
         # Arriving before the last tile's stores, the program's release waits only on the earlier
@@ -249,7 +254,8 @@ def _dact_dbias_quantize_kernel(
         tl.atomic_max(amax_ptr, amax_finish(amax_acc), sem="relaxed")
     if STORE_OUT:
         _store_tile(out_ptr, out_t_ptr, last, r0, quarter, offs_n, mask_n, k0, k1, k2, k3, M, stride_out_m,
-                    stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T, ENCODER == 3)
+                    stride_out_t_n, d0, d1, d2, d3, scale, FP8_FORMAT, ENCODER, TRANSPOSE, PACK_T,
+                    ENCODER == _TILE_ENCODER)
 
 
 @triton.jit

@@ -151,14 +151,9 @@ def fp8_tile_codes(x0, x1, x2, x3, FP8_FORMAT: tl.constexpr):
     word of the transposed copy). Two values per conversion and a byte transpose in registers:
     about one instruction per element, where ``fp8_codes`` per value, masking and packing each
     layout took 3.5 (BENCHMARKS.md). The codes are ``fp8_encode_ptx``'s, bit for bit."""
-    if FP8_FORMAT == 1:
-        return tl.inline_asm_elementwise(_TILE_ASM_E4M3, _TILE_CONSTRAINTS,
-                                         [x0, x1, x2, x3], dtype=(tl.uint8, tl.uint8, tl.uint8, tl.uint8, tl.int32),
-                                         is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(_TILE_ASM_E5M2, _TILE_CONSTRAINTS,
-                                         [x0, x1, x2, x3], dtype=(tl.uint8, tl.uint8, tl.uint8, tl.uint8, tl.int32),
-                                         is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(_TILE_ASM_E4M3 if FP8_FORMAT == 1 else _TILE_ASM_E5M2, _TILE_CONSTRAINTS,
+                                     [x0, x1, x2, x3], dtype=(tl.uint8, tl.uint8, tl.uint8, tl.uint8, tl.int32),
+                                     is_pure=True, pack=4)
 
 
 @triton.jit

@@ -215,6 +215,8 @@ class LaunchRule:
     ``cyclic_max_groups``: where the grid is one wave (every program resident at once) of two to
     this many row groups, the row tiles are dealt to the groups in turn (``LaunchConfig.cyclic_rows``),
     so the programs running side by side read neighbouring rows; 0: never.
+    ``cyclic_devices``: on the GPUs whose name holds one of these, the row tiles are dealt in turn
+    over several waves too (still two to ``cyclic_max_groups`` row groups); empty: one wave only.
     """
     block_m: int
     block_n: int
@@ -238,6 +240,7 @@ class LaunchRule:
     queued_devices: tuple = ()
     min_chunks_per_slot: int = 0
     cyclic_max_groups: int = 0
+    cyclic_devices: tuple = ()
 
 
 _MAX_WAVES = 4
@@ -399,5 +402,6 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     programs = groups * strips
     waves = -(-programs // slots)
     # Never in the interpreter: its grids are not whole waves.
-    cyclic = whole_waves and waves == 1 and 1 < groups <= rule.cyclic_max_groups
+    cyclic = whole_waves and 1 < groups <= rule.cyclic_max_groups and (
+        waves == 1 or any(name in _device_info(device)[2] for name in rule.cyclic_devices))
     return dataclasses.replace(config, groups=groups, cyclic_rows=cyclic), programs / (waves * slots)

@@ -762,6 +762,34 @@ def test_backward_passes_deal_row_tiles_in_turn_where_one_wave_holds_at_most_8_r
     assert fused.cyclic_rows and fused.row_groups(8192)[1] == 8 and not fused.chunk_tiles
 
 
+@pytest.mark.parametrize("m,n,groups", [(16384, 6400, 5), (32768, 8192, 4), (16384, 16384, 2), (8192, 3072, 5),
+                                        (8192, 1024, 16), (100, 64, 1)])
+def test_a_rule_naming_cyclic_devices_deals_row_tiles_in_turn_over_several_waves_on_those_gpus_alone(
+        monkeypatch, m, n, groups):
+    # The bias gradient's tiles on 132 multiprocessors (264 slots): two waves of 5 x 100 programs at
+    # 16384x6400, 4 x 128 at 32768x8192, 2 x 256 at 16384x16384; one wave of 5 x 48 at 8192x3072 and of
+    # 16 x 16 at 8192x1024. With cyclic_devices naming the card, every grid of 2 to 8 row groups deals
+    # its tiles in turn, however many waves; on other cards (and with none named) only one-wave grids do.
+    # The grid itself never changes.
+    from lightning_fuse.kernels import _launch
+
+    card = {}
+    monkeypatch.setattr(_launch, "_device_info", lambda device: ((9, 0), 132, card["name"]))
+    cuda = torch.device("cuda", 0)
+    base = dataclasses.replace(_launch.LAUNCH_RULES["dbias_quantize"], cyclic_devices=())
+    named = dataclasses.replace(base, cyclic_devices=("H200",))
+    for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        card["name"] = name
+        plain = _launch._pick_config(m, n, cuda, base)
+        cfg = _launch._pick_config(m, n, cuda, named)
+        assert cfg.row_groups(m)[1] == plain.row_groups(m)[1] == groups
+        assert dataclasses.replace(cfg, cyclic_rows=plain.cyclic_rows) == plain
+        one_wave = groups * -(-n // cfg.block_n) <= 132 * base.programs_per_sm
+        assert plain.cyclic_rows == (1 < groups <= 8 and one_wave), (name, plain)
+        assert cfg.cyclic_rows == (1 < groups <= 8 and (one_wave or name == "NVIDIA H200")), (name, cfg)
+    assert not _launch._pick_config(m, n, torch.device("cpu"), named).cyclic_rows
+
+
 @pytest.mark.parametrize("m,n,two_deep", [(16384, 6400, True), (8192, 6400, True), (8192, 3072, False),
                                           (32768, 8192, False), (16384, 16384, False), (100, 64, False)])
 def test_fused_pass_takes_its_two_deep_form_where_the_prefetching_one_leaves_slots_idle(monkeypatch, m, n, two_deep):

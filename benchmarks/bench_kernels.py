@@ -35,7 +35,7 @@ from common import (
 )
 from lightning_fuse.kernels import (activation_derivative_reference, bias_act_reference, dact_dbias_quantize,
                                     dbias_quantize, quantize)
-from lightning_fuse.kernels._launch import LaunchConfig, LaunchRule, _pick_config, launch_config
+from lightning_fuse.kernels._launch import _CONFIGS, LAUNCH_RULES, LaunchConfig, LaunchRule, _pick_config, launch_config
 from lightning_fuse.kernels.activations import activation_id
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
 
@@ -314,7 +314,14 @@ def main():
                         help="the fused pass's GELU in the timed table (the eager sequence's gelu_backward takes "
                              "the same one), and in --sweep's fused pass and forward activation")
     parser.add_argument("--passes", help="time only these passes, comma-separated (default: every pass)")
+    parser.add_argument("--cyclic-devices", help="the bias gradient's pass deals its row tiles in turn over several "
+                        "waves too on GPUs whose name holds one of these, comma-separated (its rule's "
+                        "LaunchRule.cyclic_devices, in place of the shipped one's)")
     args = parser.parse_args()
+    if args.cyclic_devices is not None:
+        devices = tuple(d for d in args.cyclic_devices.split(",") if d)
+        LAUNCH_RULES["dbias_quantize"] = dataclasses.replace(LAUNCH_RULES["dbias_quantize"], cyclic_devices=devices)
+        _CONFIGS.clear()
     passes = None
     if args.passes:
         passes = args.passes.split(",")
@@ -325,7 +332,7 @@ def main():
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
     print(f"{environment()}  copy bandwidth {copy_gbps:.0f} GB/s")
-    extra = {"copy_GBps": copy_gbps}
+    extra = {"copy_GBps": copy_gbps, "dbias_quantize_cyclic_devices": args.cyclic_devices}
     if args.sweep:
         columns = ["kernel", "M", "N", "block_m", "block_n", "warps", "stages", "max_registers", "per_sm", "cyclic",
                    "regs", "resident", "groups",

@@ -35,7 +35,7 @@ from common import (
 )
 from lightning_fuse.kernels import (activation_derivative_reference, bias_act_reference, dact_dbias_quantize,
                                     dbias_quantize, quantize)
-from lightning_fuse.kernels._launch import _CONFIGS, LAUNCH_RULES, LaunchConfig, LaunchRule, _pick_config, launch_config
+from lightning_fuse.kernels._launch import LAUNCH_RULES, LaunchConfig, LaunchRule, _pick_config, launch_config
 from lightning_fuse.kernels.activations import activation_id
 from lightning_fuse.kernels.dact_dbias_quantize import _launch
 
@@ -321,7 +321,6 @@ def main():
     if args.cyclic_devices is not None:
         devices = tuple(d for d in args.cyclic_devices.split(",") if d)
         LAUNCH_RULES["dbias_quantize"] = dataclasses.replace(LAUNCH_RULES["dbias_quantize"], cyclic_devices=devices)
-        _CONFIGS.clear()
     passes = None
     if args.passes:
         passes = args.passes.split(",")

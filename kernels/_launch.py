@@ -340,9 +340,12 @@ def _pick_config(m: int, n: int, device: torch.device, rule: LaunchRule,
 def _queued_here(device: torch.device, rule: LaunchRule) -> bool:
     """Whether ``rule``'s queued form is taken on ``device``: every device where the rule names none,
     else the GPUs whose name holds one of ``queued_devices`` (not the interpreter)."""
-    if not rule.queued_devices:
-        return True
-    return device.type == "cuda" and any(name in _device_info(device)[2] for name in rule.queued_devices)
+    return not rule.queued_devices or _named_gpu(device, rule.queued_devices)
+
+
+def _named_gpu(device: torch.device, names: tuple) -> bool:
+    """Whether ``device`` is a GPU whose name holds one of ``names`` (never the interpreter)."""
+    return device.type == "cuda" and any(name in _device_info(device)[2] for name in names)
 
 
 # Interpreter launches: small tiles (block_m, block_n, warps) and few slots (multiprocessors, programs
@@ -403,5 +406,5 @@ def _config_and_fill(m: int, n: int, device: torch.device, rule: LaunchRule) -> 
     waves = -(-programs // slots)
     # Never in the interpreter: its grids are not whole waves.
     cyclic = whole_waves and 1 < groups <= rule.cyclic_max_groups and (
-        waves == 1 or any(name in _device_info(device)[2] for name in rule.cyclic_devices))
+        waves == 1 or _named_gpu(device, rule.cyclic_devices))
     return dataclasses.replace(config, groups=groups, cyclic_rows=cyclic), programs / (waves * slots)
